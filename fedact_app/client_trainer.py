@@ -1,0 +1,84 @@
+"""A client's local work as plain PyTorch: load x^r, run K local steps of the method, build the reply.
+
+One ``ClientTrainer`` per process and configuration is kept warm across rounds and across the
+virtual clients a simulation worker serves: the model and the optimizer are reused, because every
+round overwrites the model state and the method's ``begin_round`` resets the optimizer state
+(FedACT: m = 0, v = v_bar, k = 0), so nothing leaks from one client to the next.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict
+from fedact_app.config import Config, PartitionConfig
+from fedact_app.data import BatchStream, ImageTensors, load_client_train, load_test, partition_indices, test_batches
+from fedact_app.models import build_model
+from fedact_app.train import EvalStats, evaluate, resolve_device, train_steps
+
+
+class ClientTrainer:
+    """Model, local optimizer and method rule of one process."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.model = build_model(cfg.model, cfg.dataset).to(self.device)
+        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.rule = ALGORITHMS[cfg.algorithm.name].local(cfg.algorithm)
+        self.optimizer = self.rule.make_optimizer(self.named_params)
+        self._train_data: dict[tuple[int, int], ImageTensors] = {}
+
+    def train_data(self, partition_id: int, num_partitions: int) -> ImageTensors:
+        """This client's partition, resident on the training device (cached per process)."""
+        key = (partition_id, num_partitions)
+        if key not in self._train_data:
+            self._train_data[key] = load_client_train(self.cfg, partition_id, num_partitions).to(self.device)
+        return self._train_data[key]
+
+    def load_global(self, state: TensorDict) -> None:
+        self.model.load_state_dict(state)
+
+    def train_round(self, state: TensorDict, received: dict[str, TensorDict], *, partition_id: int,
+                    num_partitions: int, server_round: int, lr: float, local_steps: int,
+                    global_step: int) -> tuple[ClientUpdate, float]:
+        """K local steps from x^r = ``state``; returns the update and the mean training loss."""
+        self.load_global(state)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        received = {key: {n: t.to(self.device) for n, t in arrays.items()} for key, arrays in received.items()}
+        self.rule.begin_round(self.optimizer, self.named_params, received, global_step)
+        generator = torch.Generator(device=self.device)
+        seed = np.random.SeedSequence([self.cfg.seed, server_round, partition_id]).generate_state(1)[0]
+        generator.manual_seed(int(seed))
+        batches = BatchStream(self.train_data(partition_id, num_partitions), self.cfg.batch_size,
+                              self.cfg.dataset.augment, generator)
+        stats = train_steps(self.model, self.optimizer, batches, local_steps)
+        new_state = self.model.state_dict()
+        delta = {name: new_state[name].detach().cpu() - state[name] for name in state}
+        arrays = {key: {n: t.detach().cpu() for n, t in tensors.items()}
+                  for key, tensors in self.rule.reply_arrays(self.optimizer, self.named_params).items()}
+        update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,
+                              num_examples=stats.num_examples, arrays=arrays)
+        return update, stats.loss
+
+    def evaluate_local(self, state: TensorDict, *, partition_id: int, num_partitions: int) -> EvalStats:
+        """The global model on this client's share of the test set (an IID split of it)."""
+        self.load_global(state)
+        test = load_test(self.cfg)
+        indices = partition_indices(test.labels.numpy(), num_partitions, PartitionConfig(name="iid"),
+                                    self.cfg.seed)[partition_id]
+        index = torch.as_tensor(indices, dtype=torch.long)
+        local = ImageTensors(test.images[index], test.labels[index]).to(self.device)
+        return evaluate(self.model, test_batches(local, self.cfg.eval_batch_size))
+
+
+@functools.lru_cache(maxsize=2)
+def trainer_for(overrides: str) -> ClientTrainer:
+    """The process's warm trainer for one run configuration (the run's ``overrides`` string)."""
+    from fedact_app.config import compose
+
+    return ClientTrainer(compose(overrides))

@@ -1,0 +1,208 @@
+"""Typed run configuration and the one ``compose()`` entry point.
+
+The dataclasses below are the schema: they are registered in Hydra's ConfigStore and every YAML
+file under ``conf/`` is merged into them, so an unknown key or a value of the wrong type fails at
+composition with Hydra's message naming the key. Range checks live in each dataclass's
+``__post_init__`` and run when ``compose()`` turns the DictConfig into these objects, before any
+training starts. The ServerApp, every ClientApp and the scripts call the same ``compose()``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "tiny_imagenet", "fashion_mnist")
+MODELS = ("cnn_small", "vit_tiny", "swin_lite", "resnet18")
+PARTITIONS = ("iid", "dirichlet")
+DEVICES = ("auto", "cuda", "cpu")
+WEIGHTINGS = ("uniform", "examples")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of its allowed range."""
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"Invalid config value {key}={value!r}: allowed {allowed}")
+
+
+def _require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    _require(value in choices, key, value, "one of " + ", ".join(choices))
+
+
+@dataclass
+class DatasetConfig:
+    """What data is trained on (``conf/dataset/*.yaml``)."""
+
+    name: str = "digits"
+    hub_path: Optional[str] = None  # Hugging Face hub id, e.g. uoft-cs/cifar10
+    path: Optional[str] = None  # local parquet file/folder or image folder; replaces hub_path
+    image_column: str = "image"
+    label_column: str = "label"
+    train_split: str = "train"
+    test_split: str = "test"
+    num_classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    augment: bool = True  # train only: random crop (pad image_size // 8) + horizontal flip
+    num_train: int = 2000  # synthetic only
+    num_test: int = 500  # synthetic only
+
+    def __post_init__(self) -> None:
+        _require_choice("dataset.name", self.name, DATASETS)
+        _require(self.num_classes >= 2, "dataset.num_classes", self.num_classes, ">= 2")
+        _require(self.image_size >= 1, "dataset.image_size", self.image_size, ">= 1")
+        _require(self.channels in (1, 3), "dataset.channels", self.channels, "1 or 3")
+        for key, stats in (("dataset.mean", self.mean), ("dataset.std", self.std)):
+            _require(len(stats) == self.channels, key, stats, f"{self.channels} values (one per channel)")
+        _require(all(s > 0 for s in self.std), "dataset.std", self.std, "values > 0")
+        _require(self.num_train >= 1, "dataset.num_train", self.num_train, ">= 1")
+        _require(self.num_test >= 1, "dataset.num_test", self.num_test, ">= 1")
+
+
+@dataclass
+class ModelConfig:
+    """What is trained (``conf/model/*.yaml``); ``kwargs`` go to the model's builder in models.py."""
+
+    name: str = "cnn_small"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require_choice("model.name", self.name, MODELS)
+
+
+@dataclass
+class PartitionConfig:
+    """How the training set is split over clients (``conf/partition/*.yaml``)."""
+
+    name: str = "iid"
+    alpha: float = 0.6  # Dirichlet concentration (dirichlet only)
+    min_partition_size: int = 0  # dirichlet: resample until every client has at least this many
+
+    def __post_init__(self) -> None:
+        _require_choice("partition.name", self.name, PARTITIONS)
+        _require(self.alpha > 0, "partition.alpha", self.alpha, "> 0")
+        _require(self.min_partition_size >= 0, "partition.min_partition_size", self.min_partition_size, ">= 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The federated method and its hyperparameters (``conf/algorithm/*.yaml``).
+
+    ``lr`` decays over rounds by a cosine to ``lr_min`` and is constant inside a round.
+    ``alpha``/``gamma`` null mean the seed's defaults 1/tau and tau.
+    """
+
+    name: str = "fedact"
+    lr: float = 3e-4
+    lr_min: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    rho: float = 0.5
+    tau: float = 0.5
+    alpha: Optional[float] = None
+    gamma: Optional[float] = None
+    trust_scope: str = "global"
+    trust_signal: str = "corrected"
+    scale_matched: bool = False
+    server_lr: float = 1.0
+    weighting: str = "uniform"
+
+    def __post_init__(self) -> None:
+        from fedact_app.algorithms import ALGORITHMS  # registry of method names
+
+        _require_choice("algorithm.name", self.name, tuple(ALGORITHMS))
+        for key, value in ALGORITHMS[self.name].required.items():
+            _require(getattr(self, key) == value, f"algorithm.{key}", getattr(self, key),
+                     f"{value!r} for algorithm {self.name} (choose another algorithm instead)")
+        _require(self.lr > 0, "algorithm.lr", self.lr, "> 0")
+        _require(0 <= self.lr_min <= self.lr, "algorithm.lr_min", self.lr_min, f"in [0, lr={self.lr}]")
+        _require(len(self.betas) == 2, "algorithm.betas", self.betas, "two values [beta1, beta2]")
+        _require(all(0 <= b < 1 for b in self.betas), "algorithm.betas", self.betas, "each in [0, 1)")
+        _require(self.eps >= 0, "algorithm.eps", self.eps, ">= 0")
+        _require(self.weight_decay >= 0, "algorithm.weight_decay", self.weight_decay, ">= 0")
+        _require(0 <= self.rho <= 1, "algorithm.rho", self.rho, "in [0, 1]")
+        _require(0 < self.tau <= 1, "algorithm.tau", self.tau, "in (0, 1]")
+        alpha = 1.0 / self.tau if self.alpha is None else self.alpha
+        gamma = self.tau if self.gamma is None else self.gamma
+        _require(gamma >= 0, "algorithm.gamma", gamma, ">= 0")
+        _require(alpha >= gamma, "algorithm.alpha", alpha, f">= gamma ({gamma})")
+        _require_choice("algorithm.trust_scope", self.trust_scope, ("global", "tensor"))
+        _require_choice("algorithm.trust_signal", self.trust_signal, ("corrected", "local", "none"))
+        _require(self.server_lr > 0, "algorithm.server_lr", self.server_lr, "> 0")
+        _require_choice("algorithm.weighting", self.weighting, WEIGHTINGS)
+
+
+@dataclass
+class Config:
+    """A whole run (``conf/config.yaml`` plus the groups)."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    num_rounds: int = 5
+    num_clients: int = 10
+    fraction_train: float = 0.5
+    min_train_nodes: int = 2
+    fraction_evaluate: float = 0.0  # federated evaluation on clients' local test data; 0 = off
+    local_steps: int = 10
+    batch_size: int = 32
+    seed: int = 42
+    device: str = "auto"
+    eval_every: int = 1  # centralized test-set evaluation every n rounds (and at the last)
+    eval_batch_size: int = 500
+    round_timeout: float = 3600.0  # seconds the server waits for a round's replies
+    output_dir: str = "outputs"
+    data_dir: Optional[str] = None  # Hugging Face datasets cache; default: HF_DATASETS_CACHE
+
+    def __post_init__(self) -> None:
+        for key in ("num_rounds", "num_clients", "min_train_nodes", "local_steps", "batch_size",
+                    "eval_every", "eval_batch_size"):
+            _require(getattr(self, key) >= 1, key, getattr(self, key), ">= 1")
+        _require(0 < self.fraction_train <= 1, "fraction_train", self.fraction_train, "in (0, 1]")
+        _require(0 <= self.fraction_evaluate <= 1, "fraction_evaluate", self.fraction_evaluate, "in [0, 1]")
+        _require(self.min_train_nodes <= self.num_clients, "min_train_nodes", self.min_train_nodes,
+                 f"<= num_clients ({self.num_clients})")
+        _require(self.round_timeout > 0, "round_timeout", self.round_timeout, "> 0")
+        _require_choice("device", self.device, DEVICES)
+
+
+ConfigStore.instance().store(name="schema", node=Config)
+
+
+def compose(overrides: str | list[str] = ()) -> Config:
+    """Compose ``conf/config.yaml`` with Hydra overrides and return the validated ``Config``.
+
+    ``overrides`` is a list of Hydra overrides or one string of them as written on a command line
+    (the Flower run config's ``overrides`` value), e.g. ``"dataset=cifar100 partition.alpha=0.1"``.
+    """
+    if isinstance(overrides, str):
+        overrides = shlex.split(overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return to_config(cfg)
+
+
+def to_config(cfg: Any) -> Config:
+    """Turn a composed DictConfig into the validated ``Config`` (runs every range check)."""
+    return OmegaConf.to_object(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved configuration as YAML, as written into every run folder."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

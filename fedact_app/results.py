@@ -1,0 +1,99 @@
+"""A run's folder: resolved config, one metrics line per round, a log line per round, a summary.
+
+Layout of ``<output_dir>/<run name>/``::
+
+    config.yaml      the resolved configuration
+    metrics.jsonl    one JSON object per round (round 0 = the initial model)
+    summary.json     final and best test accuracy, rounds, wall time
+    model.safetensors  the final global model state
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from datetime import datetime
+from logging import INFO
+from pathlib import Path
+
+from flwr.common import log
+from safetensors.torch import save_file
+
+from fedact_app.algorithms import TensorDict
+from fedact_app.config import Config, to_yaml
+
+
+def run_name(cfg: Config) -> str:
+    """``<time>_<algorithm>_<dataset>_<model>_<partition>_s<seed>``, e.g. ..._dir0.1_s42."""
+    partition = f"dir{cfg.partition.alpha:g}" if cfg.partition.name == "dirichlet" else cfg.partition.name
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}_{cfg.algorithm.name}_{cfg.dataset.name}_{cfg.model.name}_{partition}_s{cfg.seed}"
+
+
+def create_run_dir(cfg: Config) -> Path:
+    """A new, unique folder under the absolute ``output_dir``."""
+    base = Path(cfg.output_dir).expanduser().resolve()
+    path = base / run_name(cfg)
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = base / f"{run_name(cfg)}-{suffix}"
+    path.mkdir(parents=True)
+    return path
+
+
+def _format_row(row: dict, num_rounds: int, elapsed: float) -> str:
+    parts = [f"round {row['round']:>{len(str(num_rounds))}}/{num_rounds}"]
+    if "train_loss" in row:
+        parts.append(f"train loss {row['train_loss']:.4f}")
+    if "test_accuracy" in row:
+        parts.append(f"test acc {row['test_accuracy']:.4f} loss {row['test_loss']:.4f}")
+    if "lr" in row:
+        parts.append(f"lr {row['lr']:.2e}")
+    if "seconds" in row:
+        parts.append(f"{row['seconds']:.1f} s")
+        if row["round"]:
+            eta = elapsed / row["round"] * (num_rounds - row["round"])
+            parts.append(f"elapsed {elapsed:.0f} s, eta {eta:.0f} s")
+    if row.get("rejected"):
+        parts.append(f"rejected {row['rejected']}")
+    return " | ".join(parts)
+
+
+class RunRecorder:
+    """Writes one run's folder; ``record_round`` is called once per round by the strategy loop."""
+
+    def __init__(self, run_dir: Path, cfg: Config) -> None:
+        self.run_dir = run_dir
+        self.num_rounds = cfg.num_rounds
+        self.rows: list[dict] = []
+        self.started = time.perf_counter()
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.metrics_path = run_dir / "metrics.jsonl"
+        log(INFO, "FedACT run folder: %s", run_dir)
+
+    def record_round(self, row: dict) -> None:
+        row = {"round": row["round"], **{k: v for k, v in row.items() if k != "round"}}
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log(INFO, "%s", _format_row(row, self.num_rounds, time.perf_counter() - self.started))
+
+    def finish(self, state: TensorDict) -> dict:
+        """Write the final model and ``summary.json``; return the summary."""
+        save_file({name: t.contiguous() for name, t in state.items()}, str(self.run_dir / "model.safetensors"))
+        evaluated = [r for r in self.rows if "test_accuracy" in r]
+        summary = {
+            "rounds": self.rows[-1]["round"] if self.rows else 0,
+            "seconds": time.perf_counter() - self.started,
+            "initial_test_accuracy": evaluated[0]["test_accuracy"] if evaluated else math.nan,
+            "final_test_accuracy": evaluated[-1]["test_accuracy"] if evaluated else math.nan,
+            "best_test_accuracy": max((r["test_accuracy"] for r in evaluated), default=math.nan),
+            "run_dir": str(self.run_dir),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(INFO, "Done: final test accuracy %.4f (best %.4f, initial %.4f) in %.0f s -> %s",
+            summary["final_test_accuracy"], summary["best_test_accuracy"],
+            summary["initial_test_accuracy"], summary["seconds"], self.run_dir)
+        return summary

@@ -1,0 +1,70 @@
+"""Flower ServerApp: compose the config, build model, method and strategy, evaluate, write results."""
+
+from __future__ import annotations
+
+import random
+from logging import INFO
+
+import numpy as np
+import torch
+from flwr.app import Context
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+
+from fedact_app.algorithms import ALGORITHMS, TensorDict
+from fedact_app.config import Config, compose
+from fedact_app.data import load_test, test_batches
+from fedact_app.models import build_model
+from fedact_app.results import RunRecorder, create_run_dir
+from fedact_app.strategy import AlgorithmStrategy
+from fedact_app.train import cosine_lr, evaluate, resolve_device
+
+app = ServerApp()
+
+
+class CentralEvaluator:
+    """Test-set accuracy of the global model at round 0, every ``eval_every`` rounds and the last."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.model = model.to(self.device)
+        self.test = load_test(cfg).to(self.device)
+
+    def __call__(self, server_round: int, state: TensorDict) -> dict | None:
+        due = server_round % self.cfg.eval_every == 0 or server_round == self.cfg.num_rounds
+        if not due:
+            return None
+        self.model.load_state_dict(state)
+        stats = evaluate(self.model, test_batches(self.test, self.cfg.eval_batch_size))
+        return {"test_loss": stats.loss, "test_accuracy": stats.accuracy}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = compose(str(context.run_config.get("overrides", "")))
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model, cfg.dataset)
+    initial_state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
+        cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+    evaluator = CentralEvaluator(cfg, model)
+    recorder = RunRecorder(create_run_dir(cfg), cfg)
+    algorithm = cfg.algorithm
+    strategy = AlgorithmStrategy(
+        ALGORITHMS[algorithm.name].server(algorithm, trainable), trainable=trainable,
+        local_steps=cfg.local_steps,
+        lr_schedule=lambda r: cosine_lr(r, cfg.num_rounds, algorithm.lr, algorithm.lr_min),
+        fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
+        fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed)
+    final_state = strategy.start(grid, initial_state, cfg.num_rounds, cfg.round_timeout,
+                                 evaluate_fn=evaluator, on_round_end=recorder.record_round)
+    recorder.finish(final_state)

@@ -1,0 +1,207 @@
+"""The Flower ``Strategy``: moves a method's arrays in and out of Flower records.
+
+Each round it samples nodes, sends every sampled node one ``RecordDict``::
+
+    "model":  ArrayRecord   global state x^r (parameters and buffers)
+    <key>:    ArrayRecord   the server rule's broadcast arrays (FedACT: "v_bar", "delta_g")
+    "config": ConfigRecord  server-round, local-steps, lr, global-step
+
+and expects back::
+
+    "delta":   ArrayRecord  x_i^{r,K} - x^r
+    <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
+    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss
+
+The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
+no method state of its own. Replies that are errors or do not match the model are rejected
+(logged with node id and reason, counted in the round's metrics) and never reach the rule.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from logging import INFO, WARNING
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
+
+
+class ReplyError(ValueError):
+    """A client reply that cannot be aggregated."""
+
+
+def record_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays in a record dict (what dominates the wire)."""
+    return sum(record.count_bytes() for record in content.array_records.values())
+
+
+def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[str],
+                  trainable: Sequence[str]) -> ClientUpdate:
+    """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state."""
+    for key in ("delta", "metrics", *reply_keys):
+        if key not in content:
+            raise ReplyError(f"missing record {key!r}")
+    delta = content["delta"].to_torch_state_dict()
+    _check_arrays("delta", delta, {name: state[name] for name in state})
+    arrays = {}
+    for key in reply_keys:
+        arrays[key] = content[key].to_torch_state_dict()
+        _check_arrays(key, arrays[key], {name: state[name] for name in trainable})
+    metrics = content["metrics"]
+    for key in ("num-examples", "num-steps", "lr-sum"):
+        if key not in metrics or not metrics[key] > 0:
+            raise ReplyError(f"metric {key!r} missing or not positive: {metrics.get(key)!r}")
+    return ClientUpdate(delta=delta, num_steps=int(metrics["num-steps"]),
+                        lr_sum=float(metrics["lr-sum"]), num_examples=int(metrics["num-examples"]),
+                        arrays=arrays)
+
+
+def _check_arrays(key: str, arrays: TensorDict, expected: TensorDict) -> None:
+    if arrays.keys() != expected.keys():
+        missing, extra = expected.keys() - arrays.keys(), arrays.keys() - expected.keys()
+        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
+    for name, tensor in arrays.items():
+        if tensor.shape != expected[name].shape or tensor.dtype != expected[name].dtype:
+            raise ReplyError(f"{key!r}[{name!r}]: {tuple(tensor.shape)} {tensor.dtype}, expected "
+                             f"{tuple(expected[name].shape)} {expected[name].dtype}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
+
+
+class AlgorithmStrategy(Strategy):
+    """One strategy for every method: sampling, messaging and reply checks around a ``ServerRule``."""
+
+    def __init__(self, rule: ServerRule, *, trainable: Sequence[str],
+                 local_steps: int, lr_schedule: Callable[[int], float], fraction_train: float,
+                 min_train_nodes: int, fraction_evaluate: float = 0.0, seed: int = 42,
+                 node_wait_timeout: float = 300.0) -> None:
+        self.rule = rule
+        self.trainable = list(trainable)
+        self.local_steps = local_steps
+        self.lr_schedule = lr_schedule
+        self.fraction_train = fraction_train
+        self.min_train_nodes = min_train_nodes
+        self.fraction_evaluate = fraction_evaluate
+        self.node_wait_timeout = node_wait_timeout
+        self.rng = random.Random(seed)
+        self.state: TensorDict = {}
+        self.bytes_sent = 0
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample_nodes(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
+        """Sample max(fraction * connected, minimum) nodes, waiting (bounded) for enough to connect."""
+        deadline = time.monotonic() + self.node_wait_timeout
+        while len(nodes := sorted(grid.get_node_ids())) < minimum:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Only {len(nodes)} nodes connected after {self.node_wait_timeout:.0f} s; "
+                                   f"min_train_nodes={minimum} are needed")
+            time.sleep(1.0)
+        count = min(len(nodes), max(int(len(nodes) * fraction), minimum))
+        return self.rng.sample(nodes, count)
+
+    # ------------------------------------------------------------------ training
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        config = ConfigRecord({**config, "server-round": server_round,
+                               "local-steps": self.local_steps,
+                               "lr": self.lr_schedule(server_round),
+                               "global-step": (server_round - 1) * self.local_steps})
+        content = RecordDict({"model": arrays, "config": config})
+        for key, tensors in self.rule.broadcast().items():
+            content[key] = ArrayRecord(tensors)
+        nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes)
+        log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
+        self.bytes_sent = record_bytes(content) * len(nodes)
+        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
+                for node in nodes]
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        updates, losses, bytes_received, rejected = [], [], 0, 0
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                rejected += 1
+                log(WARNING, "round %d: node %d failed: %s", server_round, node, msg.error.reason)
+                continue
+            bytes_received += record_bytes(msg.content)
+            try:
+                updates.append(decode_update(msg.content, self.state, self.rule.reply_keys, self.trainable))
+            except ReplyError as err:
+                rejected += 1
+                log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, err)
+                continue
+            losses.append((float(msg.content["metrics"].get("train-loss", float("nan"))),
+                           updates[-1].num_examples))
+        metrics = {"clients": len(updates), "rejected": rejected,
+                   "bytes_sent": self.bytes_sent, "bytes_received": bytes_received}
+        if not updates:
+            log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
+            return None, MetricRecord(metrics)
+        self.state = self.rule.aggregate(self.state, updates)
+        total = sum(n for _, n in losses)
+        metrics["train_loss"] = sum(loss * n for loss, n in losses) / total
+        return ArrayRecord(self.state), MetricRecord(metrics)
+
+    # ------------------------------------------------------------------ federated evaluation
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        if self.fraction_evaluate == 0.0:
+            return []
+        nodes = self.sample_nodes(grid, self.fraction_evaluate, 1)
+        content = RecordDict({"model": arrays, "config": ConfigRecord({**config, "server-round": server_round})})
+        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
+                for node in nodes]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        rows = [msg.content["metrics"] for msg in replies
+                if not msg.has_error() and "metrics" in msg.content]
+        total = sum(int(m["num-examples"]) for m in rows)
+        if total == 0:
+            return None
+        return MetricRecord({f"client_{key.replace('-', '_')}":
+                             sum(float(m[key]) * int(m["num-examples"]) for m in rows) / total
+                             for key in ("test-loss", "test-accuracy")})
+
+    def summary(self) -> None:
+        log(INFO, "AlgorithmStrategy(%s): fraction_train=%.2f min_train_nodes=%d K=%d",
+            type(self.rule).__name__, self.fraction_train, self.min_train_nodes, self.local_steps)
+
+    # ------------------------------------------------------------------ the loop
+
+    def start(self, grid: Grid, initial_state: TensorDict, num_rounds: int, timeout: float,
+              evaluate_fn: Callable[[int, TensorDict], dict | None],
+              on_round_end: Callable[[dict], None]) -> TensorDict:
+        """Run ``num_rounds`` rounds; ``evaluate_fn(round, state)`` evaluates the global model
+        (round 0 = before training) and ``on_round_end(row)`` receives each round's metrics."""
+        self.summary()
+        self.state = dict(initial_state)
+        on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
+        arrays = ArrayRecord(self.state)
+        for server_round in range(1, num_rounds + 1):
+            started = time.perf_counter()
+            lr = self.lr_schedule(server_round)
+            replies = grid.send_and_receive(self.configure_train(server_round, arrays, ConfigRecord(), grid),
+                                            timeout=timeout)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            arrays = new_arrays or arrays
+            row = {"round": server_round, "lr": lr, **dict(train_metrics or {})}
+            client_eval = self.aggregate_evaluate(
+                server_round,
+                grid.send_and_receive(self.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+                                      timeout=timeout))
+            row.update(dict(client_eval or {}))
+            row.update(evaluate_fn(server_round, self.state) or {})
+            row["seconds"] = time.perf_counter() - started
+            on_round_end(row)
+        return self.state

@@ -1,0 +1,103 @@
+"""Server rules of FedACT / FedAdamW against hand-computed values and a plain loop over
+DESIGN.md's formulas (x += server_lr * mean Delta; Delta_G = -mean(Delta / sum eta); v_bar = mean v)."""
+
+import pytest
+import torch
+
+from fedact_app.algorithms import (ALGORITHMS, ClientUpdate, FedACTServer, client_weights,
+                                   mean_delta)
+from fedact_app.config import AlgorithmConfig
+
+
+def update(delta, v, steps=2, lr_sum=0.2, examples=10):
+    return ClientUpdate(delta=delta, num_steps=steps, lr_sum=lr_sum, num_examples=examples,
+                        arrays={"v": v})
+
+
+def test_two_clients_hand_computed():
+    # x = [1, 2]; client deltas [0.2, -0.4] (lr_sum 0.2) and [0.4, 0.0] (lr_sum 0.4).
+    x = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    u1 = update({"w": torch.tensor([0.2, -0.4], dtype=torch.float64)},
+                {"w": torch.tensor([1.0, 3.0], dtype=torch.float64)}, lr_sum=0.2)
+    u2 = update({"w": torch.tensor([0.4, 0.0], dtype=torch.float64)},
+                {"w": torch.tensor([3.0, 5.0], dtype=torch.float64)}, lr_sum=0.4)
+    rule = FedACTServer(AlgorithmConfig(name="fedact", server_lr=1.0), ["w"])
+    assert rule.broadcast() == {}  # round 1: v_bar = 0, Delta_G = 0 (absent)
+    new_x = rule.aggregate(x, [u1, u2])
+    torch.testing.assert_close(new_x["w"], torch.tensor([1.3, 1.8], dtype=torch.float64))
+    # Delta_G = -((0.2/0.2 + 0.4/0.4)/2, (-0.4/0.2 + 0/0.4)/2) = -(1.0, -1.0)
+    torch.testing.assert_close(rule.delta_g["w"], torch.tensor([-1.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(rule.v_bar["w"], torch.tensor([2.0, 4.0], dtype=torch.float64))
+    assert set(rule.broadcast()) == {"v_bar", "delta_g"}
+    assert x["w"].tolist() == [1.0, 2.0]  # the input state is not modified in place
+
+
+def test_equal_steps_matches_seed_formula():
+    # With equal K and eta, Delta_G = -1/(S K eta) sum_i Delta_i (seed: Algorithm 1, line 22).
+    torch.manual_seed(0)
+    S, K, eta = 3, 5, 0.01
+    deltas = [torch.randn(4, 3, dtype=torch.float64) for _ in range(S)]
+    updates = [update({"w": d}, {"w": torch.rand(4, 3, dtype=torch.float64)}, steps=K, lr_sum=K * eta)
+               for d in deltas]
+    rule = FedACTServer(AlgorithmConfig(name="fedadamw", trust_signal="none", server_lr=0.5), ["w"])
+    x = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    new_x = rule.aggregate(x, updates)
+    expected_g = -sum(deltas) / (S * K * eta)
+    torch.testing.assert_close(rule.delta_g["w"], expected_g)
+    torch.testing.assert_close(new_x["w"], x["w"] + 0.5 * sum(deltas) / S)
+
+
+def test_example_weighting_plain_loop():
+    torch.manual_seed(1)
+    examples = [10, 30, 60]
+    lr_sums = [0.1, 0.2, 0.3]
+    deltas = [torch.randn(5, dtype=torch.float64) for _ in examples]
+    vs = [torch.rand(5, dtype=torch.float64) for _ in examples]
+    updates = [update({"w": d}, {"w": v}, lr_sum=s, examples=n)
+               for d, v, s, n in zip(deltas, vs, lr_sums, examples)]
+    rule = FedACTServer(AlgorithmConfig(name="fedact", weighting="examples"), ["w"])
+    x = {"w": torch.zeros(5, dtype=torch.float64)}
+    new_x = rule.aggregate(x, updates)
+    for j in range(5):
+        total = sum(examples)
+        mean_d = sum(n / total * d[j].item() for n, d in zip(examples, deltas))
+        g = -sum(n / total * d[j].item() / s for n, d, s in zip(examples, deltas, lr_sums))
+        v = sum(n / total * vv[j].item() for n, vv in zip(examples, vs))
+        assert new_x["w"][j].item() == pytest.approx(mean_d, abs=1e-12)
+        assert rule.delta_g["w"][j].item() == pytest.approx(g, abs=1e-12)
+        assert rule.v_bar["w"][j].item() == pytest.approx(v, abs=1e-12)
+
+
+def test_buffers_are_averaged_without_server_lr_and_stay_out_of_correction():
+    x = {"w": torch.tensor([1.0]), "bn.running_mean": torch.tensor([0.0]),
+         "bn.num_batches_tracked": torch.tensor(4)}
+    u1 = update({"w": torch.tensor([1.0]), "bn.running_mean": torch.tensor([1.0]),
+                 "bn.num_batches_tracked": torch.tensor(2)}, {"w": torch.tensor([1.0])})
+    u2 = update({"w": torch.tensor([3.0]), "bn.running_mean": torch.tensor([2.0]),
+                 "bn.num_batches_tracked": torch.tensor(3)}, {"w": torch.tensor([1.0])})
+    rule = FedACTServer(AlgorithmConfig(name="fedact", server_lr=0.5), ["w"])
+    new_x = rule.aggregate(x, [u1, u2])
+    assert new_x["w"].item() == pytest.approx(2.0)  # 1 + 0.5 * 2
+    assert new_x["bn.running_mean"].item() == pytest.approx(1.5)  # plain mean, no server_lr
+    assert new_x["bn.num_batches_tracked"].dtype == torch.int64
+    assert new_x["bn.num_batches_tracked"].item() == 6  # 4 + round(2.5) (round half to even)
+    assert set(rule.delta_g) == {"w"} and set(rule.v_bar) == {"w"}
+
+
+def test_client_weights():
+    ups = [update({}, {}, examples=n) for n in (1, 3)]
+    assert client_weights(ups, "uniform") == [0.5, 0.5]
+    assert client_weights(ups, "examples") == [0.25, 0.75]
+    with pytest.raises(ValueError, match="weighting"):
+        client_weights(ups, "median")
+
+
+def test_mean_delta_integer_rounding():
+    ups = [update({"n": torch.tensor([1, 2])}, {}), update({"n": torch.tensor([2, 4])}, {})]
+    assert mean_delta(ups, [0.5, 0.5])["n"].tolist() == [2, 3]  # round(1.5)=2, round(3)=3
+
+
+def test_registry_fixes_trust_signal():
+    assert set(ALGORITHMS) >= {"fedact", "fedadamw"}
+    with pytest.raises(ValueError, match="algorithm.trust_signal"):
+        AlgorithmConfig(name="fedadamw", trust_signal="corrected")

@@ -1,0 +1,76 @@
+"""Hydra composition of conf/ into the typed schema, and bad overrides failing with clear messages."""
+
+import pytest
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from fedact_app.config import Config, ConfigError, compose, to_yaml
+
+
+def test_default_is_a_short_fedact_run_on_digits():
+    cfg = compose()
+    assert isinstance(cfg, Config)
+    assert (cfg.dataset.name, cfg.model.name, cfg.algorithm.name) == ("digits", "cnn_small", "fedact")
+    assert cfg.algorithm.lr == 3e-4 and cfg.algorithm.betas == [0.9, 0.999]
+    assert (cfg.algorithm.rho, cfg.algorithm.tau) == (0.5, 0.5)
+    assert cfg.algorithm.trust_scope == "global" and cfg.algorithm.trust_signal == "corrected"
+
+
+def test_overrides_string_builds_the_paper_setting():
+    cfg = compose("dataset=cifar100 model=vit_tiny partition.alpha=0.1 experiment=paper_vision")
+    assert cfg.dataset.hub_path == "uoft-cs/cifar100" and cfg.dataset.label_column == "fine_label"
+    assert cfg.dataset.num_classes == 100
+    assert cfg.model.kwargs == {"patch_size": 4, "embed_dim": 192, "depth": 6, "num_heads": 3,
+                                "mlp_ratio": 4.0}
+    assert (cfg.partition.name, cfg.partition.alpha) == ("dirichlet", 0.1)
+    assert (cfg.num_clients, cfg.fraction_train, cfg.batch_size, cfg.local_steps, cfg.num_rounds) == (
+        100, 0.1, 50, 50, 300)
+
+
+def test_algorithm_group_and_keys():
+    cfg = compose(["algorithm=fedadamw", "algorithm.tau=0.3", "algorithm.trust_scope=tensor"])
+    assert cfg.algorithm.name == "fedadamw" and cfg.algorithm.trust_signal == "none"
+    assert cfg.algorithm.tau == 0.3 and cfg.algorithm.trust_scope == "tensor"
+
+
+def test_resolved_yaml_round_trips():
+    cfg = compose("algorithm.rho=0.25")
+    assert "rho: 0.25" in to_yaml(cfg)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("no_such_key=1", "no_such_key"),
+    ("algorithm.no_such=1", "no_such"),
+    ("dataset=imagenet21k", "imagenet21k"),
+    ("algorithm=sgd_magic", "sgd_magic"),
+    ("num_rounds=abc", "num_rounds"),
+])
+def test_unknown_keys_options_and_types_fail_naming_them(override, needle):
+    with pytest.raises((HydraException, OmegaConfBaseException)) as err:
+        compose([override])
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algorithm.tau=0", "algorithm.tau"),
+    ("algorithm.tau=1.5", "algorithm.tau"),
+    ("algorithm.rho=-0.1", "algorithm.rho"),
+    ("algorithm.rho=1.1", "algorithm.rho"),
+    ("algorithm.gamma=-1", "algorithm.gamma"),
+    ("algorithm.alpha=0.1", "algorithm.alpha"),  # alpha < gamma (= tau = 0.5)
+    ("algorithm.lr=0", "algorithm.lr"),
+    ("algorithm.betas=[0.9,1.0]", "algorithm.betas"),
+    ("algorithm.trust_scope=layer", "algorithm.trust_scope"),
+    ("algorithm.trust_signal=magic", "algorithm.trust_signal"),
+    ("partition.alpha=0", "partition.alpha"),
+    ("fraction_train=0", "fraction_train"),
+    ("num_clients=0", "num_clients"),
+    ("local_steps=0", "local_steps"),
+    ("device=tpu", "device"),
+    ("model.name=alexnet", "model.name"),
+])
+def test_bad_values_fail_with_key_value_and_range(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    message = str(err.value)
+    assert key in message and "allowed" in message
