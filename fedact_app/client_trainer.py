@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict
 from fedact_app.config import Config, PartitionConfig
-from fedact_app.data import BatchStream, ImageTensors, load_client_train, load_test, partition_indices, test_batches
+from fedact_app.data import (BatchStream, ImageTensors, batch_generator, load_client_train, load_test,
+                             partition_indices, test_batches)
 from fedact_app.models import build_model
 from fedact_app.train import EvalStats, evaluate, resolve_device, train_steps
 
@@ -51,9 +51,7 @@ class ClientTrainer:
             group["lr"] = lr
         received = {key: {n: t.to(self.device) for n, t in arrays.items()} for key, arrays in received.items()}
         self.rule.begin_round(self.optimizer, self.named_params, received, global_step)
-        generator = torch.Generator(device=self.device)
-        seed = np.random.SeedSequence([self.cfg.seed, server_round, partition_id]).generate_state(1)[0]
-        generator.manual_seed(int(seed))
+        generator = batch_generator(self.cfg.seed, server_round, partition_id, self.device)
         batches = BatchStream(self.train_data(partition_id, num_partitions), self.cfg.batch_size,
                               self.cfg.dataset.augment, generator)
         stats = train_steps(self.model, self.optimizer, batches, local_steps)

@@ -1,0 +1,242 @@
+"""Tests for fedact_app.launch against a tiny throw-away Flower app (imports only flwr).
+
+The e2e tests start a real private SuperLink each (~15-25 s on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fedact_app import launch
+from fedact_app.launch import pid_alive, run_simulation
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NUM_NODES = 3
+
+TINY_PYPROJECT = """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "tinyapp"
+version = "0.1.0"
+dependencies = ["flwr"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["tinyapp"]
+
+[tool.flwr.app]
+publisher = "fedact-tests"
+
+[tool.flwr.app.components]
+serverapp = "tinyapp.server_app:app"
+clientapp = "tinyapp.client_app:app"
+
+[tool.flwr.app.config]
+overrides = ""
+expected-nodes = 0
+"""
+
+# The ServerApp's behaviour is picked by words in `overrides`: "fail" raises, "sleep" hangs.
+TINY_SERVER_APP = '''\
+import time
+
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    words = str(context.run_config["overrides"]).split()
+    expected = int(context.run_config["expected-nodes"])
+    print(f"TINYAPP words={words} expected={expected}", flush=True)
+    if "fail" in words:
+        raise RuntimeError("TINYAPP deliberate failure")
+    if "sleep" in words:
+        time.sleep(600)
+    # Simulated SuperNodes register asynchronously: wait (bounded) until all are there.
+    deadline = time.monotonic() + 30
+    while len(node_ids := list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if len(node_ids) != expected:
+        raise RuntimeError(f"TINYAPP expected {expected} nodes, saw {len(node_ids)}")
+    messages = [
+        Message(RecordDict({"cfg": ConfigRecord({"x": 1})}), dst_node_id=node, message_type=MessageType.TRAIN)
+        for node in node_ids
+    ]
+    replies = [r for r in grid.send_and_receive(messages, timeout=30) if r.has_content()]
+    if len(replies) != expected:
+        raise RuntimeError(f"TINYAPP got {len(replies)} replies from {expected} nodes")
+    total = sum(int(r.content["metrics"]["y"]) for r in replies)
+    print(f"TINYAPP success nodes={len(node_ids)} total={total}", flush=True)
+'''
+
+TINY_CLIENT_APP = '''\
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    x = int(msg.content["cfg"]["x"])
+    return Message(RecordDict({"metrics": MetricRecord({"y": x + 1})}), reply_to=msg)
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tinyapp")
+    (root / "tinyapp").mkdir()
+    (root / "pyproject.toml").write_text(TINY_PYPROJECT)
+    (root / "tinyapp" / "__init__.py").write_text("")
+    (root / "tinyapp" / "server_app.py").write_text(TINY_SERVER_APP)
+    (root / "tinyapp" / "client_app.py").write_text(TINY_CLIENT_APP)
+    return root
+
+
+@pytest.fixture
+def user_flwr_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Stands in for the user's ~/.flwr: the launcher must never write there."""
+    home = tmp_path / "user-flwr-home"
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    monkeypatch.setenv("FLWR_DISABLE_UPDATE_CHECK", "1")
+    return home
+
+
+def _assert_cleaned_up(result: launch.RunResult) -> None:
+    assert result.superlink_pid > 0
+    assert result.superlink_pid in result.pids
+    assert len(result.pids) >= 2  # SuperLink + SuperExec at least
+    assert not pid_alive(result.superlink_pid)
+    assert [p for p in result.pids if pid_alive(p)] == []
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: real SuperLink, real simulation
+# --------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_completed_run(tiny_app: Path, user_flwr_home: Path, tmp_path: Path) -> None:
+    home = tmp_path / "private-home"
+    result = run_simulation(
+        tiny_app,
+        overrides="ok a=1 b='x y'",
+        num_supernodes=NUM_NODES,
+        run_config={"expected-nodes": NUM_NODES},
+        timeout=55,
+        flwr_home=home,
+    )
+    assert result.completed, result.log
+    assert result.status == "finished:completed"
+    assert not result.timed_out
+    assert f"TINYAPP success nodes={NUM_NODES} total={2 * NUM_NODES}" in result.log
+    assert """words=['ok', 'a=1', "b='x", "y'"]""" in result.log  # overrides arrived verbatim
+    assert "\x1b[" not in result.log
+    _assert_cleaned_up(result)
+    # Private FLWR_HOME: our connection only; the app was installed there; the user's untouched.
+    config = (home / "config.toml").read_text()
+    assert f"[superlink.{launch.CONNECTION}]" in config and ":local:" not in config
+    assert any((home / "apps").iterdir())
+    assert not user_flwr_home.exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_failed_run(tiny_app: Path, user_flwr_home: Path) -> None:
+    result = run_simulation(
+        tiny_app,
+        overrides="fail",
+        num_supernodes=NUM_NODES,
+        run_config={"expected-nodes": NUM_NODES},
+        timeout=55,
+    )
+    assert not result.completed
+    assert result.status == "finished:failed"
+    assert "TINYAPP deliberate failure" in result.details
+    assert "RuntimeError: TINYAPP deliberate failure" in result.log
+    _assert_cleaned_up(result)
+    assert not user_flwr_home.exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_timeout_stops_everything(tiny_app: Path, user_flwr_home: Path) -> None:
+    # The ServerApp hangs; the flwr-simulation process and its Ray cluster outlive a SIGTERM'd
+    # SuperLink, so this checks the whole process tree is taken down.
+    result = run_simulation(
+        tiny_app,
+        overrides="sleep",
+        num_supernodes=NUM_NODES,
+        run_config={"expected-nodes": NUM_NODES},
+        timeout=20,
+    )
+    assert result.timed_out
+    assert not result.completed
+    assert not result.status.startswith("finished")
+    assert result.seconds < 45
+    assert "TINYAPP words=['sleep']" in result.log
+    _assert_cleaned_up(result)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_cli_exit_code_reports_failure(tiny_app: Path, user_flwr_home: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedact_app.launch", "--app", str(tiny_app),
+         "--overrides", "fail", "--num-supernodes", str(NUM_NODES),
+         "--run-config", f"expected-nodes={NUM_NODES}", "--timeout", "55"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "finished:failed" in proc.stdout
+    assert "TINYAPP deliberate failure" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Fast unit tests (no SuperLink)
+# --------------------------------------------------------------------------------------------
+def test_run_config_toml_escapes_and_flattens() -> None:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    config = {"overrides": "a=1 b='x y' c=\"q\" d=\\", "n": 3, "f": 0.5, "on": True, "x": {"y": 2}}
+    parsed = tomllib.loads(launch._toml(config))
+    assert parsed == {"overrides": config["overrides"], "n": 3, "f": 0.5, "on": True, "x.y": 2}
+    assert launch._toml_value(0.0) == "0.0" and launch._toml_value(False) == "false"
+    with pytest.raises(TypeError):
+        launch._toml_value([1])
+
+
+def test_cli_run_config_values() -> None:
+    parsed = launch._parse_run_config(["n=3", "f=0.5", "on=true", "s=plain words", 's2="q"'])
+    assert parsed == {"n": 3, "f": 0.5, "on": True, "s": "plain words", "s2": "q"}
+
+
+def test_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="pyproject.toml"):
+        run_simulation(tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")
+    with pytest.raises(ValueError, match="num_cpus_per_client"):
+        run_simulation(tmp_path, num_cpus_per_client=0.5)  # type: ignore[arg-type]
+    assert launch.main(["--app", str(tmp_path / "missing")]) == 2
+
+
+def test_pid_alive() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert pid_alive(proc.pid) or proc.poll() is not None
+    proc.wait()
+    assert not pid_alive(proc.pid)
+    assert pid_alive(launch.os.getpid())

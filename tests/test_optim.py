@@ -1,0 +1,490 @@
+"""FedACTAdamW against a plain reference of the seed's Algorithm 1 (lines 4-18).
+
+The oracle, ``Reference``, is written here from the formulas alone: flattened float64 vectors, one
+loop over the parameters, top-k by a stable descending sort. It never calls fedact_app.optim.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from fedact_app.optim import FedACTAdamW
+
+SHAPES = [(6, 5), (7,), (3, 2, 2)]  # d = 49
+
+
+class Reference:
+    """Algorithm 1, lines 4-18, on flattened float64 vectors.
+
+    ``hyper[i]`` holds lr, weight_decay, betas and eps of parameter i (its param group's values).
+    """
+
+    def __init__(self, xs, hyper, *, rho=0.5, tau=0.5, alpha=None, gamma=None,
+                 trust_scope="global", trust_signal="corrected", scale_matched=False):
+        self.x = [x.detach().reshape(-1).double().clone() for x in xs]
+        self.hyper = hyper
+        self.rho, self.tau = rho, tau
+        self.alpha = 1.0 / tau if alpha is None else alpha
+        self.gamma = tau if gamma is None else gamma
+        self.scope, self.signal, self.scale_matched = trust_scope, trust_signal, scale_matched
+        self.begin_round()
+
+    def begin_round(self, v_bar=None, delta_g=None, global_step=0):
+        self.m = [torch.zeros_like(x) for x in self.x]
+        self.v = [torch.zeros_like(x) if v_bar is None else v_bar[i].reshape(-1).double().clone()
+                  for i, x in enumerate(self.x)]
+        self.dg = [torch.zeros_like(x) if delta_g is None else delta_g[i].reshape(-1).double().clone()
+                   for i, x in enumerate(self.x)]
+        self.k, self.t0 = 0, global_step
+
+    def act(self, s):
+        """phi for scores s: alpha on the top floor(tau*d) (stable descending sort), gamma elsewhere."""
+        n_top = math.floor(self.tau * s.numel())
+        order = torch.sort(s, descending=True, stable=True).indices
+        phi = torch.full_like(s, self.gamma)
+        phi[order[:n_top]] = self.alpha
+        if self.scale_matched:
+            phi = phi / phi.mean()
+        return phi
+
+    def step(self, grads):
+        self.k += 1
+        t = self.t0 + self.k
+        live = [i for i, g in enumerate(grads) if g is not None]
+        u, s = {}, {}
+        for i in live:
+            h = self.hyper[i]
+            b1, b2 = h["betas"]
+            g = grads[i].reshape(-1).double()
+            self.m[i] = b1 * self.m[i] + (1 - b1) * g
+            self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
+            m_hat = self.m[i] / (1 - b1 ** self.k)
+            v_hat = self.v[i] / (1 - b2 ** t)
+            u_loc = m_hat / (torch.sqrt(v_hat) + h["eps"])
+            u[i] = (1 - self.rho) * u_loc + self.rho * self.dg[i]
+            s[i] = (u_loc if self.signal == "local" else u[i]) * g
+        if self.signal == "none":
+            phi = {i: torch.ones_like(u[i]) for i in live}
+        elif self.scope == "tensor":
+            phi = {i: self.act(s[i]) for i in live}
+        else:
+            flat = self.act(torch.cat([s[i] for i in live]))
+            sizes = [s[i].numel() for i in live]
+            phi = dict(zip(live, torch.split(flat, sizes)))
+        self.phi = phi
+        for i in live:
+            h = self.hyper[i]
+            self.x[i] = (1 - h["lr"] * h["weight_decay"]) * self.x[i] - h["lr"] * phi[i] * u[i]
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def hyper_of(opt_kwargs, n):
+    h = dict(lr=opt_kwargs.get("lr", 3e-4), weight_decay=opt_kwargs.get("weight_decay", 0.01),
+             betas=opt_kwargs.get("betas", (0.9, 0.999)), eps=opt_kwargs.get("eps", 1e-8))
+    return [h] * n
+
+
+def trust_of(opt_kwargs):
+    keys = ("rho", "tau", "alpha", "gamma", "trust_scope", "trust_signal", "scale_matched")
+    return {k: opt_kwargs[k] for k in keys if k in opt_kwargs}
+
+
+def make_params(shapes=SHAPES, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def make_rounds(params, n_rounds=2, steps=3, seed=1, warm=True, global_steps=None, zero_frac=0.0):
+    """Per round: (v_bar, delta_g, global_step, [grads per step])."""
+    gen = torch.Generator().manual_seed(seed)
+    rounds = []
+    for r in range(n_rounds):
+        like = lambda p, f: f(p.shape, generator=gen, dtype=p.dtype)  # noqa: E731
+        v_bar = [0.01 * like(p, torch.rand) for p in params] if warm else None
+        delta_g = [0.5 * like(p, torch.randn) for p in params] if warm else None
+        gs = (global_steps[r] if global_steps is not None else r * steps)
+        grads = []
+        for _ in range(steps):
+            gs_k = []
+            for p in params:
+                g = like(p, torch.randn)
+                if zero_frac:
+                    g = g * (like(p, torch.rand) >= zero_frac)
+                gs_k.append(g)
+            grads.append(gs_k)
+        rounds.append((v_bar, delta_g, gs, grads))
+    return rounds
+
+
+def drive(opt, params, ref, rounds):
+    for v_bar, delta_g, gs, grads in rounds:
+        opt.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
+        if ref is not None:
+            ref.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = None if g is None else g.clone()
+            opt.step()
+            if ref is not None:
+                ref.step(step_grads)
+
+
+def assert_matches(params, ref, rtol=1e-12, atol=1e-12):
+    for p, x in zip(params, ref.x):
+        torch.testing.assert_close(p.detach().reshape(-1).double(), x, rtol=rtol, atol=atol)
+
+
+def run_against_reference(opt_kwargs, *, dtype=torch.float64, rounds_kwargs=None, shapes=SHAPES,
+                          rtol=1e-12, atol=1e-12):
+    params = make_params(shapes, dtype)
+    ref = Reference(params, hyper_of(opt_kwargs, len(params)), **trust_of(opt_kwargs))
+    opt = FedACTAdamW(params, **opt_kwargs)
+    rounds = make_rounds(params, **(rounds_kwargs or {}))
+    drive(opt, params, ref, rounds)
+    assert_matches(params, ref, rtol, atol)
+    return opt, params, ref
+
+
+BASE = dict(lr=1e-2, weight_decay=0.1, rho=0.5, tau=0.5)
+
+
+# ---------------------------------------------------------------------- equivalence with the reference
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+@pytest.mark.parametrize("trust_signal", ["corrected", "local", "none"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_matches_reference(trust_scope, trust_signal, foreach):
+    run_against_reference({**BASE, "trust_scope": trust_scope, "trust_signal": trust_signal,
+                           "foreach": foreach}, rounds_kwargs=dict(global_steps=[0, 7]))
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+def test_matches_reference_float32(trust_scope):
+    run_against_reference({**BASE, "trust_scope": trust_scope}, dtype=torch.float32,
+                          rtol=1e-5, atol=1e-6)
+
+
+def test_rho_zero_ignores_delta_g():
+    opt, params, _ = run_against_reference({**BASE, "rho": 0.0})
+    assert all("delta_g" not in opt.state[p] for p in params)  # not even allocated
+
+
+def test_signal_none_is_fedadamw():
+    """phi == 1: every coordinate takes the dense corrected AdamW step (FedAdamW)."""
+    run_against_reference({**BASE, "trust_signal": "none"})
+    # and alpha = gamma = 1 with a real selection takes the same steps
+    p1, p2 = make_params(), make_params()
+    rounds = make_rounds(p1)
+    drive(FedACTAdamW(p1, **BASE, trust_signal="none"), p1, None, rounds)
+    drive(FedACTAdamW(p2, **BASE, alpha=1.0, gamma=1.0), p2, None, rounds)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_warm_start_special_case_is_torch_adamw(foreach):
+    """rho = 0, phi = 1, v_bar = 0, t = k: torch.optim.AdamW (an independent oracle), with no
+    begin_round at all (a plain optimizer) and two groups with their own lr / weight decay."""
+    p1, p2 = make_params(), make_params()
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2, "weight_decay": 0.0}]  # noqa: E731
+    ours = FedACTAdamW(groups(p1), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6, rho=0.0,
+                       trust_signal="none", foreach=foreach)
+    adamw = torch.optim.AdamW(groups(p2), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6,
+                              foreach=foreach)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        for a, b in zip(p1, p2):
+            a.grad = torch.randn(a.shape, generator=gen, dtype=a.dtype)
+            b.grad = a.grad.clone()
+        ours.step()
+        adamw.step()
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    assert ours.local_step == 6 and ours.global_step == 6
+
+
+def test_alpha_equals_gamma_is_rescaled_lr():
+    """phi = alpha everywhere: the FedAdamW step with lr * alpha (and wd / alpha, to keep lr * wd)."""
+    p1, p2 = make_params(), make_params()
+    rounds = make_rounds(p1)
+    drive(FedACTAdamW(p1, lr=1e-2, weight_decay=0.1, alpha=2.0, gamma=2.0), p1, None, rounds)
+    drive(FedACTAdamW(p2, lr=2e-2, weight_decay=0.05, trust_signal="none"), p2, None, rounds)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_rounds_reset_m_copy_v_and_use_k_and_t():
+    """begin_round: m <- 0, v <- copy of v_bar, k <- 0; bias correction 1-b1^k and 1-b2^t."""
+    params = make_params()
+    kw = {**BASE, "betas": (0.5, 0.6)}  # small betas: a wrong k or t changes the result a lot
+    ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
+    opt = FedACTAdamW(params, **kw)
+    rounds = make_rounds(params, n_rounds=3, steps=2, global_steps=[0, 2, 40])
+    for v_bar, delta_g, gs, grads in rounds:
+        opt.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
+        assert (opt.local_step, opt.global_step) == (0, gs)
+        for p, vb, v in zip(params, v_bar, opt.second_moments()):
+            assert torch.equal(opt.state[p]["exp_avg"], torch.zeros_like(p))
+            assert torch.equal(v, vb) and v is not vb and v.data_ptr() != vb.data_ptr()
+        ref.begin_round(v_bar, delta_g, gs)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+            ref.step(step_grads)
+        assert (opt.local_step, opt.global_step) == (2, gs + 2)
+        assert_matches(params, ref)
+    # a wrong t is visible: the same run with the k used for v (global_step 0 every round) differs
+    other = make_params()
+    wrong = [(vb, dg, 0, g) for vb, dg, _, g in rounds]
+    drive(FedACTAdamW(other, **kw), other, None, wrong)
+    assert not torch.allclose(other[0], params[0], rtol=1e-6, atol=1e-6)
+
+
+def test_second_moments_are_the_live_v_aligned_with_params():
+    params = make_params()
+    opt = FedACTAdamW([{"params": params[:1]}, {"params": params[1:], "lr": 1e-3}])
+    ref = Reference(params, hyper_of({}, len(params)))
+    rounds = make_rounds(params, n_rounds=1, steps=2)
+    drive(opt, params, ref, rounds)
+    vs = opt.second_moments()
+    assert len(vs) == len(params)
+    for p, v, v_ref in zip(params, vs, ref.v):
+        assert v is opt.state[p]["exp_avg_sq"] and v.shape == p.shape and v.dtype == p.dtype
+        torch.testing.assert_close(v.reshape(-1), v_ref, rtol=1e-13, atol=0)
+
+
+# ---------------------------------------------------------------------- the top-k selection
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, foreach):
+    """Gradients with 70 % exact zeros: s = 0 there, the threshold falls inside the zeros."""
+    kw = dict(lr=1e-2, weight_decay=0.0, rho=0.5, tau=0.5, trust_scope=trust_scope, foreach=foreach)
+    params = make_params(shapes=[(9, 5), (11,), (4, 3)])  # d = 68, odd per-tensor sizes
+    ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
+    opt = FedACTAdamW(params, **kw)
+    rounds = make_rounds(params, n_rounds=1, steps=3, zero_frac=0.7)
+    v_bar, delta_g, gs, grads = rounds[0]
+    opt.begin_round(v_bar, delta_g, gs)
+    ref.begin_round(v_bar, delta_g, gs)
+    for step_grads in grads:
+        x0 = [p.detach().reshape(-1).clone() for p in params]
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step(step_grads)
+        assert_matches(params, ref)
+        # The phi the optimizer used, read off its own update with u from the reference
+        # (x1 = x0 - lr*phi*u with wd = 0, so u = (x0 - x1_ref) / (lr*phi_ref)).
+        phis = []
+        for i, p in enumerate(params):
+            u_i = (x0[i] - ref.x[i]) / (kw["lr"] * ref.phi[i])
+            phis.append((x0[i] - p.detach().reshape(-1)) / (kw["lr"] * u_i))
+        sizes = [p.numel() for p in params]
+        zeros = sum(int((g == 0).sum()) for g in step_grads)
+        assert zeros > sum(sizes) // 2  # the threshold lies among the zero scores: ties to break
+        is_alpha = [torch.isclose(phi, torch.full_like(phi, 2.0)) for phi in phis]
+        if trust_scope == "global":
+            assert int(torch.cat(is_alpha).sum()) == math.floor(0.5 * sum(sizes))
+        else:
+            assert [int(a.sum()) for a in is_alpha] == [n // 2 for n in sizes]
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+def test_all_scores_equal_take_the_first_indices(trust_scope):
+    params = make_params(shapes=[(3, 3), (5,)])
+    opt = FedACTAdamW(params, lr=1e-2, weight_decay=0.0, rho=0.0, tau=0.5, trust_scope=trust_scope)
+    x0 = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)  # u identical everywhere, so s too
+    opt.step()
+    step = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(x0, params)]) / 1e-2
+    alpha_steps = torch.isclose(step, torch.full_like(step, 2.0), rtol=1e-6)
+    if trust_scope == "global":
+        expected = torch.arange(14) < 7
+    else:
+        expected = torch.cat([torch.arange(9) < 4, torch.arange(5) < 2])
+    assert torch.equal(alpha_steps, expected)
+
+
+def test_k_zero_is_gamma_everywhere_and_tau_one_is_alpha_everywhere():
+    small = [(3,), (4,)]  # d = 7; floor(0.1 * 7) = 0
+    for kw, lr_factor in [(dict(tau=0.1, gamma=0.5, alpha=3.0), 0.5), (dict(tau=1.0, alpha=3.0, gamma=0.5), 3.0)]:
+        for scope in ["global", "tensor"]:
+            p1, p2 = make_params(small), make_params(small)
+            rounds = make_rounds(p1)
+            drive(FedACTAdamW(p1, lr=1e-2, weight_decay=0.1, trust_scope=scope, **kw), p1, None, rounds)
+            drive(FedACTAdamW(p2, lr=1e-2 * lr_factor, weight_decay=0.1 / lr_factor, trust_signal="none"),
+                  p2, None, rounds)
+            for a, b in zip(p1, p2):
+                torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    run_against_reference({**BASE, "tau": 0.1}, shapes=small)
+    run_against_reference({**BASE, "tau": 1.0}, shapes=small)
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+def test_scale_matched(trust_scope):
+    run_against_reference({**BASE, "scale_matched": True, "trust_scope": trust_scope, "tau": 0.3})
+
+
+# ---------------------------------------------------------------------- groups, missing grads, paths
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+def test_param_groups_with_their_own_lr_weight_decay_betas_eps(trust_scope):
+    params = make_params()
+    specs = [dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8),
+             dict(lr=3e-2, weight_decay=0.0, betas=(0.5, 0.9), eps=1e-3)]
+    opt = FedACTAdamW([{"params": params[:2], **specs[0]}, {"params": params[2:], **specs[1]}],
+                      lr=1.0, trust_scope=trust_scope)
+    ref = Reference(params, [specs[0], specs[0], specs[1]], trust_scope=trust_scope)
+    drive(opt, params, ref, make_rounds(params, global_steps=[0, 5]))
+    assert_matches(params, ref)
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_param_without_grad_is_skipped_and_not_counted(trust_scope, foreach):
+    kw = {**BASE, "trust_scope": trust_scope, "foreach": foreach}
+    params = make_params()
+    ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
+    opt = FedACTAdamW(params, **kw)
+    rounds = make_rounds(params)
+    for _, _, _, grads in rounds:
+        grads[0][1] = None  # param 1 has no grad at the first step of each round
+        grads[2][0] = None
+    x1 = params[1].detach().clone()
+    v_bar, delta_g, gs, grads = rounds[0]
+    opt.begin_round(v_bar, delta_g, gs)
+    ref.begin_round(v_bar, delta_g, gs)
+    for p, g in zip(params, grads[0]):
+        p.grad = None if g is None else g.clone()
+    opt.step()
+    ref.step(grads[0])
+    assert torch.equal(params[1].detach(), x1)  # not even weight decay
+    assert_matches(params, ref)
+    drive(opt, params, ref, rounds[1:])
+    assert_matches(params, ref)
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+@pytest.mark.parametrize("trust_signal", ["corrected", "local", "none"])
+def test_foreach_and_single_tensor_paths_agree(trust_scope, trust_signal):
+    results = []
+    for foreach in (False, True):
+        params = make_params(dtype=torch.float32)
+        opt = FedACTAdamW(params, **BASE, trust_scope=trust_scope, trust_signal=trust_signal,
+                          foreach=foreach)
+        drive(opt, params, None, make_rounds(params, zero_frac=0.3))
+        results.append((params, opt.second_moments()))
+    for a, b in zip(*[p + v for p, v in results]):
+        assert torch.equal(a, b)  # the same elementary ops in the same order
+
+
+def test_state_dict_round_trip_continues_identically():
+    params = make_params()
+    opt = FedACTAdamW(params, **BASE)
+    (v_bar, delta_g, _, grads), = make_rounds(params, n_rounds=1, steps=4)
+    opt.begin_round(v_bar, delta_g, global_step=5)
+
+    def run(o, ps, step_grads):
+        for sg in step_grads:
+            for p, g in zip(ps, sg):
+                p.grad = g.clone()
+            o.step()
+
+    run(opt, params, grads[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    clone = [p.detach().clone().requires_grad_() for p in params]
+    run(opt, params, grads[2:])
+
+    restored = FedACTAdamW(clone)  # other settings everywhere: all come from the state dict
+    restored.load_state_dict(saved)
+    assert (restored.local_step, restored.global_step) == (2, 7)
+    assert all("delta_g" in restored.state[p] for p in clone)
+    run(restored, clone, grads[2:])
+    assert (restored.local_step, restored.global_step) == (opt.local_step, opt.global_step) == (4, 9)
+    for a, b in zip(params, clone):
+        assert torch.equal(a, b)
+
+
+def test_bfloat16_params_keep_bfloat16_state():
+    params = make_params(dtype=torch.bfloat16)
+    opt = FedACTAdamW(params, **BASE)
+    drive(opt, params, None, make_rounds(params, zero_frac=0.5))
+    for p in params:
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
+        assert torch.isfinite(p).all()
+
+
+# ---------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("kwargs, argument, value", [
+    (dict(lr=-1e-3), "lr", "-0.001"),
+    (dict(eps=-1.0), "eps", "-1.0"),
+    (dict(betas=(1.0, 0.999)), "betas", "1.0"),
+    (dict(betas=(0.9, -0.1)), "betas", "-0.1"),
+    (dict(weight_decay=-0.1), "weight_decay", "-0.1"),
+    (dict(tau=0.0), "tau", "0.0"),
+    (dict(tau=1.5), "tau", "1.5"),
+    (dict(rho=-0.1), "rho", "-0.1"),
+    (dict(rho=1.1), "rho", "1.1"),
+    (dict(alpha=0.2, gamma=0.5), "alpha", "0.2"),
+    (dict(gamma=-0.5), "gamma", "-0.5"),
+    (dict(trust_scope="layer"), "trust_scope", "layer"),
+    (dict(trust_signal="cautious"), "trust_signal", "cautious"),
+])
+def test_constructor_validation(kwargs, argument, value):
+    with pytest.raises(ValueError, match=f"Invalid {argument}") as info:
+        FedACTAdamW(make_params(), **kwargs)
+    assert value in str(info.value) and "expected" in str(info.value)  # the bad value and the range
+
+
+def test_constructor_validation_lists_allowed_values():
+    with pytest.raises(ValueError, match="global.*tensor"):
+        FedACTAdamW(make_params(), trust_scope="layer")
+    with pytest.raises(ValueError, match="corrected.*local.*none"):
+        FedACTAdamW(make_params(), trust_signal="x")
+
+
+def test_param_group_validation():
+    params = make_params()
+    with pytest.raises(ValueError, match="tau"):
+        FedACTAdamW([{"params": params[:1]}, {"params": params[1:], "tau": 0.25}])  # global scope
+    with pytest.raises(ValueError, match="lr"):
+        FedACTAdamW([{"params": params[:1]}, {"params": params[1:], "lr": -1.0}])
+    # per-tensor selection may use its own tau per group
+    FedACTAdamW([{"params": params[:1]}, {"params": params[1:], "tau": 0.25}], trust_scope="tensor")
+
+
+def test_begin_round_validation():
+    params = make_params()
+    opt = FedACTAdamW(params)
+    zeros = [torch.zeros_like(p) for p in params]
+    with pytest.raises(ValueError, match="v_bar.*2 tensors for 3 parameters"):
+        opt.begin_round(v_bar=zeros[:2])
+    with pytest.raises(ValueError, match="delta_g.*4 tensors for 3 parameters"):
+        opt.begin_round(delta_g=zeros + zeros[:1])
+    bad = zeros[:1] + [torch.zeros(8)] + zeros[2:]
+    with pytest.raises(ValueError, match=r"v_bar\[1\]: shape \(8,\).*\(7,\)"):
+        opt.begin_round(v_bar=bad)
+    with pytest.raises(ValueError, match=r"delta_g\[1\]: shape \(8,\).*\(7,\)"):
+        opt.begin_round(delta_g=bad)
+    with pytest.raises(ValueError, match="global_step"):
+        opt.begin_round(global_step=-1)
+
+
+def test_sparse_gradients_raise():
+    p = torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)
+    p.grad = torch.zeros(4, 3, dtype=torch.float64).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        FedACTAdamW([p]).step()
