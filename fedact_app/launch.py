@@ -158,7 +158,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
             **(federation_config or {}),
         }
         run_id = cli.submit(app_path, config, fed, link)
-        status, details, log, timed_out = _wait_for_run(cli, run_id, deadline, poll_interval)
+        status, details, log, timed_out = _wait_for_run(cli, link, run_id, deadline, poll_interval)
     finally:
         pids: tuple[int, ...] = ()
         if link is not None:
@@ -259,7 +259,7 @@ class _SuperLink:
 
     def output_tail(self, chars: int = 3000) -> str:
         out = self.log_file.with_suffix(".out")
-        text = out.read_text(errors="replace") if out.exists() else ""
+        text = out.read_text(encoding="utf-8", errors="replace") if out.exists() else ""
         return _ANSI.sub("", text)[-chars:]
 
     def stop(self) -> tuple[int, ...]:
@@ -373,7 +373,7 @@ class _Cli:
 
 
 def _wait_for_run(
-    cli: _Cli, run_id: int, deadline: float, poll_interval: float
+    cli: _Cli, link: _SuperLink, run_id: int, deadline: float, poll_interval: float
 ) -> tuple[str, str, str, bool]:
     """Follow the run until it finishes or the deadline passes: (status, details, log, timed_out).
 
@@ -387,6 +387,9 @@ def _wait_for_run(
     try:
         next_poll = time.monotonic() + poll_interval
         while time.monotonic() < deadline:
+            if link.proc.poll() is not None:
+                details = f"the SuperLink exited (rc={link.proc.returncode}):\n{link.output_tail()}"
+                break
             ended = streamer.poll() is not None
             if ended or time.monotonic() >= next_poll:
                 status, details = cli.status(run_id)
@@ -399,6 +402,7 @@ def _wait_for_run(
                     continue
             time.sleep(0.25)
         finished = status.startswith("finished")
+        timed_out = not finished and time.monotonic() >= deadline
         if finished:  # the server ends the stream right after the final log lines
             try:
                 streamer.wait(timeout=max(1.0, min(30.0, deadline - time.monotonic() + 10)))
@@ -408,13 +412,13 @@ def _wait_for_run(
         if streamer.poll() is None:
             streamer.kill()
             streamer.wait()
-    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
     if finished and not log.strip():  # the stream died early: fetch the finished run's log once
         try:
             log = cli.call("log", str(run_id), CONNECTION, "--stream").stdout
         except subprocess.TimeoutExpired as err:
             log = _text(err.stdout)
-    return status, details, _ANSI.sub("", log), not finished
+    return status, details, _ANSI.sub("", log), timed_out
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ def run_dir(output: Path) -> Path:
 @pytest.mark.parametrize("algorithm", ["fedact", "fedadamw"])
 def test_digits_run_completes_and_learns(tmp_path, algorithm):
     overrides = (f"algorithm={algorithm} num_rounds=3 num_clients=3 fraction_train=1.0 "
-                 f"min_train_nodes=3 local_steps=15 output_dir={tmp_path}")
+                 f"min_train_nodes=3 local_steps=15 algorithm.lr=3e-3 output_dir={tmp_path}")
     result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=3, timeout=420)
     assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
 

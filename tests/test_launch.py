@@ -45,6 +45,7 @@ expected-nodes = 0
 
 # The ServerApp's behaviour is picked by words in `overrides`: "fail" raises, "sleep" hangs.
 TINY_SERVER_APP = '''\
+import os
 import time
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
@@ -58,6 +59,7 @@ def main(grid: Grid, context: Context) -> None:
     words = str(context.run_config["overrides"]).split()
     expected = int(context.run_config["expected-nodes"])
     print(f"TINYAPP words={words} expected={expected}", flush=True)
+    print(f"TINYAPP cwd={os.getcwd()} mark={os.environ.get('TINYAPP_MARK')}", flush=True)
     if "fail" in words:
         raise RuntimeError("TINYAPP deliberate failure")
     if "sleep" in words:
@@ -80,6 +82,8 @@ def main(grid: Grid, context: Context) -> None:
 '''
 
 TINY_CLIENT_APP = '''\
+import os
+
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -89,7 +93,8 @@ app = ClientApp()
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     x = int(msg.content["cfg"]["x"])
-    return Message(RecordDict({"metrics": MetricRecord({"y": x + 1})}), reply_to=msg)
+    y = x + len(os.environ.get("TINYAPP_MARK", ""))  # shows `env` reaches the ClientApps
+    return Message(RecordDict({"metrics": MetricRecord({"y": y})}), reply_to=msg)
 '''
 
 
@@ -129,6 +134,8 @@ def _assert_cleaned_up(result: launch.RunResult) -> None:
 @pytest.mark.timeout(120)
 def test_completed_run(tiny_app: Path, user_flwr_home: Path, tmp_path: Path) -> None:
     home = tmp_path / "private-home"
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
     result = run_simulation(
         tiny_app,
         overrides="ok a=1 b='x y'",
@@ -136,11 +143,15 @@ def test_completed_run(tiny_app: Path, user_flwr_home: Path, tmp_path: Path) -> 
         run_config={"expected-nodes": NUM_NODES},
         timeout=55,
         flwr_home=home,
+        env={"TINYAPP_MARK": "abc"},
+        cwd=workdir,
     )
     assert result.completed, result.log
     assert result.status == "finished:completed"
     assert not result.timed_out
-    assert f"TINYAPP success nodes={NUM_NODES} total={2 * NUM_NODES}" in result.log
+    # 3 nodes answered, each with 1 + len("abc"): `env` reached the ClientApps.
+    assert f"TINYAPP success nodes={NUM_NODES} total={4 * NUM_NODES}" in result.log
+    assert f"TINYAPP cwd={workdir} mark=abc" in result.log
     assert """words=['ok', 'a=1', "b='x", "y'"]""" in result.log  # overrides arrived verbatim
     assert "\x1b[" not in result.log
     _assert_cleaned_up(result)
@@ -187,6 +198,27 @@ def test_timeout_stops_everything(tiny_app: Path, user_flwr_home: Path) -> None:
     assert result.seconds < 45
     assert "TINYAPP words=['sleep']" in result.log
     _assert_cleaned_up(result)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_rejected_run_raises_and_stops_superlink(
+    tiny_app: Path, user_flwr_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `flwr run --format json` exits 0 here too; the launcher must notice and raise.
+    stopped: list[tuple[int, ...]] = []
+    real_stop = launch._SuperLink.stop
+
+    def spy(self: launch._SuperLink) -> tuple[int, ...]:
+        stopped.append(real_stop(self))
+        return stopped[-1]
+
+    monkeypatch.setattr(launch._SuperLink, "stop", spy)
+    with pytest.raises(launch.LaunchError, match="no-such-key"):
+        run_simulation(tiny_app, run_config={"no-such-key": 1}, timeout=50)
+    assert len(stopped) == 1
+    assert [p for p in stopped[0] if pid_alive(p)] == []
+    assert not user_flwr_home.exists()
 
 
 @pytest.mark.e2e
