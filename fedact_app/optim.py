@@ -14,12 +14,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 try:
     import numpy as np
 except ImportError:  # pragma: no cover - numpy comes with every install of this app
     np = None
-from torch.optim import Optimizer
 
 __all__ = ["FedACTAdamW", "fedact_adamw", "TRUST_SCOPES", "TRUST_SIGNALS"]
 
@@ -121,13 +121,26 @@ class FedACTAdamW(Optimizer):
             or ``"none"`` (phi = 1, FedAdamW).
         scale_matched: divide phi by its mean (default off, as in the seed).
         foreach: use the multi-tensor (``torch._foreach_*``) path; ``None`` picks it when the
-            parameters of a group are on one device type.
+            parameters of a group are on one device type other than CPU (as torch.optim does;
+            on CPU the single-tensor path is faster).
 
     State per parameter: ``exp_avg`` (m), ``exp_avg_sq`` (v) and, while the round has a
     correction with ``rho > 0``, ``delta_g``. The local step ``k`` and the global step at the
     start of the round are kept in every param group (``"local_step"``, ``"round_start_step"``),
     so :meth:`state_dict` / :meth:`load_state_dict` carry them. Calling :meth:`step` without any
-    :meth:`begin_round` behaves as after ``begin_round()`` with its defaults.
+    :meth:`begin_round` behaves as after ``begin_round()`` with its defaults. Every call to
+    :meth:`step` advances ``k``.
+
+    The seed asks ``alpha > gamma > 0``; ``alpha == gamma`` (a rescaled learning rate) and
+    ``gamma == 0`` (a hard mask) are accepted as limits. Scores must be finite (a NaN gradient
+    makes the selection meaningless, as it makes the step).
+
+    Scratch (not in the state dict, rebuilt when the set of parameters with gradients changes):
+    ``u`` in the parameter dtype, one flat float32 buffer for s and then phi (its per-parameter
+    views receive s directly, so nothing is concatenated per step) and one flat bool buffer used
+    only to break ties. On CPU the exact threshold comes from numpy's introselect
+    (``np.partition``, about 10x faster there than ``torch.kthvalue``), elsewhere from
+    ``torch.kthvalue``; the tie fix runs only when a tie straddles the top-k boundary.
     """
 
     def __init__(
@@ -158,8 +171,8 @@ class FedACTAdamW(Optimizer):
     # ------------------------------------------------------------------ groups and state
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a param group after validating its settings (``alpha``/``gamma`` ``None`` resolve
-        from the group's ``tau``)."""
+        """Add a param group after validating its settings. ``alpha``/``gamma`` left at ``None``
+        resolve here, once, from the group's ``tau`` (to ``1/tau`` and ``tau``)."""
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         param_group["alpha"], param_group["gamma"] = _validate_hyperparameters(
             **{k: merged[k] for k in ("lr", "betas", "eps", "weight_decay", "rho", "tau", "alpha",
@@ -317,7 +330,9 @@ class FedACTAdamW(Optimizer):
             phis = ws.scores[offset:offset + n]
             foreach = group["foreach"]
             if foreach is None:
-                foreach = len({p.device.type for p in params}) == 1
+                # as torch.optim: the multi-tensor path only off CPU (on CPU it is slower here)
+                devices = {p.device.type for p in params}
+                foreach = len(devices) == 1 and "cpu" not in devices
             beta1, beta2 = group["betas"]
             batches.append(_ParamBatch(
                 params, grads, exp_avgs, exp_avg_sqs, delta_gs, ws.directions[offset:offset + n], phis,
@@ -329,8 +344,11 @@ class FedACTAdamW(Optimizer):
                                            group["scale_matched"])
                              for s, m in zip(phis, ws.masks[offset:offset + n])]
             offset += n
-        if ws.flat is not None and gathered and self.param_groups[0]["trust_scope"] == "global":
-            g0 = self.param_groups[0]
+        g0 = self.param_groups[0]
+        if g0["trust_scope"] == "global" and g0["trust_signal"] != "none" and all_params:
+            if ws.flat is None:
+                raise RuntimeError("trust_scope='global' ranks all coordinates together and needs every "
+                                   "parameter with a gradient on one device; use trust_scope='tensor'")
             segments = [_TrustSegment(ws.flat, ws.flat_mask, g0["tau"], g0["alpha"], g0["gamma"],
                                       g0["scale_matched"])]
 
@@ -398,7 +416,7 @@ class _ParamBatch:
     exp_avg_sqs: list[Tensor]
     delta_gs: list[Optional[Tensor]]
     directions: list[Tensor]  # scratch for u
-    phis: list[Optional[Tensor]]  # float32 scratch: s, then phi (None when trust_signal == "none")
+    phis: list[Optional[Tensor]]  # float32 scratch: denominator, s, then phi (None for signal "none")
     lr: float
     beta1: float
     beta2: float
@@ -448,12 +466,16 @@ def fedact_adamw(batches: Sequence[_ParamBatch], segments: Sequence[_TrustSegmen
         update(b, c1, c2)
 
 
-def _into(out: Tensor, op: Callable, a: Tensor, *others: Tensor) -> Tensor:
-    """``out <- op(a, *others)`` computed in ``out``'s dtype, in one pass when the dtypes agree
-    (``op`` is ``torch.sqrt`` or ``torch.mul``; its in-place form is ``op.__name__ + '_'``)."""
-    if all(t.dtype == out.dtype for t in (a, *others)):
-        return op(a, *others, out=out)
-    return getattr(out.copy_(a), op.__name__ + "_")(*others)
+def _sqrt_into(out: Tensor, v: Tensor) -> Tensor:
+    """``out <- sqrt(v)`` computed in ``out``'s dtype (one pass when the dtypes agree)."""
+    return torch.sqrt(v, out=out) if v.dtype == out.dtype else out.copy_(v).sqrt_()
+
+
+def _mul_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``out <- a * b`` computed in ``out``'s dtype (one pass when the dtypes agree)."""
+    if a.dtype == b.dtype == out.dtype:
+        return torch.mul(a, b, out=out)
+    return out.copy_(a).mul_(b)
 
 
 def _single_tensor_direction(b: _ParamBatch, c1: float, c2: float) -> None:
@@ -463,7 +485,7 @@ def _single_tensor_direction(b: _ParamBatch, c1: float, c2: float) -> None:
         v.mul_(b.beta2).addcmul_(g, g, value=1.0 - b.beta2)  # v = b2*v + (1-b2)*g*g
         s, dg = b.phis[i], b.delta_gs[i]
         denom = u if s is None else s  # scratch for c2 * (sqrt(v_hat) + eps); s is free until below
-        _into(denom, torch.sqrt, v).add_(b.eps * c2)
+        _sqrt_into(denom, v).add_(b.eps * c2)
         if b.trust_signal == "none":
             continue  # the update divides m by the denominator directly
         if dg is not None:
@@ -473,7 +495,7 @@ def _single_tensor_direction(b: _ParamBatch, c1: float, c2: float) -> None:
         if b.trust_signal == "local":
             s.reciprocal_().mul_(m).mul_(g).mul_(c2 / c1)  # s = u_loc * g
         else:
-            _into(s, torch.mul, u, g)                       # s = u * g
+            _mul_into(s, u, g)                              # s = u * g
 
 
 def _multi_tensor_direction(b: _ParamBatch, c1: float, c2: float) -> None:

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import fedact_app.optim as optim_module
 from fedact_app.optim import FedACTAdamW
 
 SHAPES = [(6, 5), (7,), (3, 2, 2)]  # d = 49
@@ -73,7 +74,7 @@ class Reference:
             flat = self.act(torch.cat([s[i] for i in live]))
             sizes = [s[i].numel() for i in live]
             phi = dict(zip(live, torch.split(flat, sizes)))
-        self.phi = phi
+        self.u, self.s, self.phi = u, s, phi
         for i in live:
             h = self.hyper[i]
             self.x[i] = (1 - h["lr"] * h["weight_decay"]) * self.x[i] - h["lr"] * phi[i] * u[i]
@@ -101,9 +102,12 @@ def make_params(shapes=SHAPES, dtype=torch.float64, seed=0):
 def make_rounds(params, n_rounds=2, steps=3, seed=1, warm=True, global_steps=None, zero_frac=0.0):
     """Per round: (v_bar, delta_g, global_step, [grads per step])."""
     gen = torch.Generator().manual_seed(seed)
+
+    def like(p, f):
+        return f(p.shape, generator=gen, dtype=p.dtype)
+
     rounds = []
     for r in range(n_rounds):
-        like = lambda p, f: f(p.shape, generator=gen, dtype=p.dtype)  # noqa: E731
         v_bar = [0.01 * like(p, torch.rand) for p in params] if warm else None
         delta_g = [0.5 * like(p, torch.randn) for p in params] if warm else None
         gs = (global_steps[r] if global_steps is not None else r * steps)
@@ -169,8 +173,11 @@ def test_matches_reference_float32(trust_scope):
                           rtol=1e-5, atol=1e-6)
 
 
-def test_rho_zero_ignores_delta_g():
-    opt, params, _ = run_against_reference({**BASE, "rho": 0.0})
+@pytest.mark.parametrize("trust_signal", ["corrected", "none"])
+def test_rho_zero_ignores_delta_g(trust_signal):
+    """rho = 0: local-only trust; with signal "none" it is AdamW warm-started from v_bar."""
+    opt, params, _ = run_against_reference({**BASE, "rho": 0.0, "trust_signal": trust_signal},
+                                           rounds_kwargs=dict(global_steps=[4, 9]))
     assert all("delta_g" not in opt.state[p] for p in params)  # not even allocated
 
 
@@ -191,7 +198,10 @@ def test_adamw_warm_start_special_case_is_torch_adamw(foreach):
     """rho = 0, phi = 1, v_bar = 0, t = k: torch.optim.AdamW (an independent oracle), with no
     begin_round at all (a plain optimizer) and two groups with their own lr / weight decay."""
     p1, p2 = make_params(), make_params()
-    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2, "weight_decay": 0.0}]  # noqa: E731
+
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2, "weight_decay": 0.0}]
+
     ours = FedACTAdamW(groups(p1), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6, rho=0.0,
                        trust_signal="none", foreach=foreach)
     adamw = torch.optim.AdamW(groups(p2), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6,
@@ -264,8 +274,12 @@ def test_second_moments_are_the_live_v_aligned_with_params():
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 @pytest.mark.parametrize("foreach", [False, True])
-def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, foreach):
-    """Gradients with 70 % exact zeros: s = 0 there, the threshold falls inside the zeros."""
+@pytest.mark.parametrize("selector", ["numpy", "torch.kthvalue"])
+def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, foreach, selector, monkeypatch):
+    """Gradients with 70 % exact zeros: s = 0 there, the threshold falls inside the zeros.
+    On CPU the threshold comes from numpy; without numpy (and off CPU) from torch.kthvalue."""
+    if selector == "torch.kthvalue":
+        monkeypatch.setattr(optim_module, "np", None)
     kw = dict(lr=1e-2, weight_decay=0.0, rho=0.5, tau=0.5, trust_scope=trust_scope, foreach=foreach)
     params = make_params(shapes=[(9, 5), (11,), (4, 3)])  # d = 68, odd per-tensor sizes
     ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
@@ -281,20 +295,20 @@ def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, foreach
         opt.step()
         ref.step(step_grads)
         assert_matches(params, ref)
-        # The phi the optimizer used, read off its own update with u from the reference
-        # (x1 = x0 - lr*phi*u with wd = 0, so u = (x0 - x1_ref) / (lr*phi_ref)).
-        phis = []
-        for i, p in enumerate(params):
-            u_i = (x0[i] - ref.x[i]) / (kw["lr"] * ref.phi[i])
-            phis.append((x0[i] - p.detach().reshape(-1)) / (kw["lr"] * u_i))
-        sizes = [p.numel() for p in params]
-        zeros = sum(int((g == 0).sum()) for g in step_grads)
-        assert zeros > sum(sizes) // 2  # the threshold lies among the zero scores: ties to break
-        is_alpha = [torch.isclose(phi, torch.full_like(phi, 2.0)) for phi in phis]
+        # The phi the optimizer used, read off its own update (wd = 0: x1 = x0 - lr*phi*u) with
+        # the reference's u, and checked against the rule directly rather than against a sort.
+        phis = [(x0[i] - p.detach().reshape(-1)) / (kw["lr"] * ref.u[i]) for i, p in enumerate(params)]
+        scores = [ref.s[i] for i in range(len(params))]
         if trust_scope == "global":
-            assert int(torch.cat(is_alpha).sum()) == math.floor(0.5 * sum(sizes))
-        else:
-            assert [int(a.sum()) for a in is_alpha] == [n // 2 for n in sizes]
+            phis, scores = [torch.cat(phis)], [torch.cat(scores)]
+        for phi, s in zip(phis, scores):
+            is_alpha = torch.isclose(phi, torch.full_like(phi, 2.0))
+            assert torch.isclose(phi[~is_alpha], torch.full_like(phi[~is_alpha], 0.5)).all()
+            assert int(is_alpha.sum()) == math.floor(0.5 * s.numel())
+            assert is_alpha[s > 0].all() and not is_alpha[s < 0].any()
+            tied = is_alpha[s == 0]
+            assert 0 < int(tied.sum()) < tied.numel()  # the boundary runs through the zeros
+            assert (tied[:-1].int() >= tied[1:].int()).all()  # and the lowest indices won
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
@@ -338,13 +352,17 @@ def test_scale_matched(trust_scope):
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-def test_param_groups_with_their_own_lr_weight_decay_betas_eps(trust_scope):
+@pytest.mark.parametrize("trust_signal", ["corrected", "local"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_param_groups_with_their_own_lr_weight_decay_betas_eps(trust_scope, trust_signal, foreach):
+    """Different betas give different bias corrections per group: s must still be comparable."""
     params = make_params()
     specs = [dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8),
              dict(lr=3e-2, weight_decay=0.0, betas=(0.5, 0.9), eps=1e-3)]
     opt = FedACTAdamW([{"params": params[:2], **specs[0]}, {"params": params[2:], **specs[1]}],
-                      lr=1.0, trust_scope=trust_scope)
-    ref = Reference(params, [specs[0], specs[0], specs[1]], trust_scope=trust_scope)
+                      lr=1.0, trust_scope=trust_scope, trust_signal=trust_signal, foreach=foreach)
+    ref = Reference(params, [specs[0], specs[0], specs[1]], trust_scope=trust_scope,
+                    trust_signal=trust_signal)
     drive(opt, params, ref, make_rounds(params, global_steps=[0, 5]))
     assert_matches(params, ref)
 
@@ -488,3 +506,11 @@ def test_sparse_gradients_raise():
     p.grad = torch.zeros(4, 3, dtype=torch.float64).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         FedACTAdamW([p]).step()
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+def test_torch_kthvalue_selection_matches_reference(trust_scope, monkeypatch):
+    """The selection used off CPU (torch.kthvalue), run here on CPU by hiding numpy."""
+    monkeypatch.setattr(optim_module, "np", None)
+    run_against_reference({**BASE, "trust_scope": trust_scope, "tau": 0.3},
+                          rounds_kwargs=dict(zero_frac=0.2))
