@@ -10,11 +10,13 @@ module avoids all of that:
 2. ``flower-superlink --insecure --simulation --disable-runtime-dependency-installation`` on a
    free loopback port (in Flower 1.41 the Control, Runtime (ServerAppIo) and Fleet APIs are all
    served over HTTP on that single ``--host/--port``; nothing else is bound by the SuperLink);
-3. ``flwr run <app> fedact-launch --run-config <file.toml> --federation-config "..." --format json``;
+3. ``flwr run <app> fedact-launch --run-config <file.toml> --federation-config "..."
+   --format json``;
 4. ``flwr log <run> fedact-launch --stream`` (Flower ends the stream when the run finishes), with
    ``flwr ls fedact-launch --run-id <run> --format json`` as the source of truth for the status;
 5. in ``finally``: SIGTERM, then SIGKILL, for the SuperLink and every process it spawned
-   (SuperExec, ``flwr-simulation``, the Ray cluster), also on errors, timeouts and Ctrl-C.
+   (SuperExec, ``flwr-simulation``, the Ray cluster), also on errors, timeouts, Ctrl-C and
+   SIGTERM (turned into ``SystemExit`` while a run is in progress, main thread only).
 
 Python use::
 
@@ -39,10 +41,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +80,7 @@ class RunResult:
     details: str = ""  # `flwr ls` "status-details", e.g. "Simulation failed with exception: ..."
     timed_out: bool = False  # the run had not finished when `timeout` ran out
     superlink_pid: int = 0
-    pids: tuple[int, ...] = field(default=(), repr=False)  # every process of the SuperLink tree seen
+    pids: tuple[int, ...] = field(default=(), repr=False)  # all processes of the SuperLink tree
 
     def tail(self, lines: int = 40) -> str:
         """Last ``lines`` lines of the log."""
@@ -143,6 +146,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     full_env = {**os.environ, **BASE_ENV, **(env or {}), "FLWR_HOME": str(home)}
 
     link: _SuperLink | None = None
+    restore = _exit_on_termination()
     try:
         link = _SuperLink.start(home, full_env, Path(cwd) if cwd else Path.cwd(), deadline)
         _write_connection(home, link.port)
@@ -161,10 +165,13 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
         status, details, log, timed_out = _wait_for_run(cli, link, run_id, deadline, poll_interval)
     finally:
         pids: tuple[int, ...] = ()
-        if link is not None:
-            pids = link.stop()
-        if own_home:
-            shutil.rmtree(home, ignore_errors=True)
+        try:
+            if link is not None:
+                pids = link.stop()
+            if own_home:
+                shutil.rmtree(home, ignore_errors=True)
+        finally:
+            restore()
 
     return RunResult(
         run_id=run_id,
@@ -424,6 +431,37 @@ def _wait_for_run(
 # --------------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------------
+def _exit_on_termination() -> Callable[[], None]:
+    """Make SIGTERM/SIGHUP raise SystemExit (so ``finally`` stops the SuperLink) while a run is
+    in progress; return a function restoring the previous handlers.
+
+    Python's default for these signals kills the process without unwinding, which would leave the
+    SuperLink, flwr-simulation and the Ray cluster running (seen). Only handlers still at the
+    default are replaced, and only in the main thread (Python allows no other).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    raised = False
+
+    def handler(signum: int, _frame: Any) -> None:
+        nonlocal raised
+        if not raised:  # a repeated signal must not interrupt the clean-up itself
+            raised = True
+            raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
 def _write_connection(home: Path, port: int) -> None:
     """The private Flower config: one connection, also the default, to our SuperLink."""
     (home / "config.toml").write_text(
@@ -440,7 +478,7 @@ def _executable(name: str) -> str:
         return str(local)
     found = shutil.which(name)
     if found is None:
-        raise LaunchError(f"`{name}` not found next to {sys.executable} or on PATH (pip install flwr)")
+        raise LaunchError(f"`{name}` not found next to {sys.executable} or on PATH")
     return found
 
 
@@ -573,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail", type=int, default=60, help="log lines to print (0: all)")
     parser.add_argument("--log-file", default=None, help="also write the full run log here")
     args = parser.parse_args(argv)
+    try:
+        run_config = _parse_run_config(args.run_config)
+    except argparse.ArgumentTypeError as err:
+        parser.error(str(err))
 
     try:
         result = run_simulation(
@@ -581,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             num_supernodes=args.num_supernodes,
             num_cpus_per_client=args.num_cpus,
             num_gpus_per_client=args.num_gpus,
-            run_config=_parse_run_config(args.run_config),
+            run_config=run_config,
             timeout=args.timeout,
             flwr_home=args.flwr_home,
         )
@@ -591,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the SuperLink was already stopped by run_simulation's finally
         print("interrupted", file=sys.stderr)
         return 130
+    except SystemExit as err:  # SIGTERM/SIGHUP, after the same clean-up
+        print("terminated", file=sys.stderr)
+        return int(err.code or 1)
 
     if args.log_file:
         Path(args.log_file).write_text(result.log, encoding="utf-8")

@@ -71,7 +71,8 @@ def main(grid: Grid, context: Context) -> None:
     if len(node_ids) != expected:
         raise RuntimeError(f"TINYAPP expected {expected} nodes, saw {len(node_ids)}")
     messages = [
-        Message(RecordDict({"cfg": ConfigRecord({"x": 1})}), dst_node_id=node, message_type=MessageType.TRAIN)
+        Message(RecordDict({"cfg": ConfigRecord({"x": 1})}), dst_node_id=node,
+                message_type=MessageType.TRAIN)
         for node in node_ids
     ]
     replies = [r for r in grid.send_and_receive(messages, timeout=30) if r.has_content()]
@@ -272,3 +273,20 @@ def test_pid_alive() -> None:
     proc.wait()
     assert not pid_alive(proc.pid)
     assert pid_alive(launch.os.getpid())
+
+
+def test_sigterm_becomes_system_exit_during_a_run() -> None:
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM already handled by the test runner")
+    restore = launch._exit_on_termination()
+    try:
+        with pytest.raises(SystemExit) as info:
+            launch.os.kill(launch.os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs between bytecodes
+                launch.time.sleep(0.01)
+        assert info.value.code == 128 + signal.SIGTERM
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
