@@ -5,6 +5,7 @@ from __future__ import annotations
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedact_app.algorithms import TensorDict
 from fedact_app.client_trainer import trainer_for
 
 app = ClientApp()
@@ -29,24 +30,48 @@ def node_partition(context: Context, num_clients: int) -> tuple[int, int]:
     return partition_id, num_partitions
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+CLIENT_STATE_PREFIX = "client_state."  # Context.state key of each array dict a client keeps
+
+
+def load_client_state(context: Context) -> dict[str, TensorDict]:
+    """This client's arrays kept from its previous round ({} before its first round)."""
+    return {key[len(CLIENT_STATE_PREFIX):]: record.to_torch_state_dict()
+            for key, record in context.state.array_records.items()
+            if key.startswith(CLIENT_STATE_PREFIX)}
+
+
+def save_client_state(context: Context, client_state: dict[str, TensorDict]) -> None:
+    """Store the arrays for this client's next round in its ``Context.state`` (Flower keeps one
+    context per node and run, in simulation and deployment alike, across the messages it handles)."""
+    for key, arrays in client_state.items():
+        context.state[CLIENT_STATE_PREFIX + key] = ArrayRecord(arrays)
+
+
+def train_content(content: RecordDict, context: Context) -> RecordDict:
+    """The train handler's work on plain records: one local round, the reply's records."""
     trainer = trainer_for(str(context.run_config.get("overrides", "")))
     partition_id, num_partitions = node_partition(context, trainer.cfg.num_clients)
-    config = msg.content["config"]
+    config = content["config"]
     received = {key: record.to_torch_state_dict()
-                for key, record in msg.content.array_records.items() if key != "model"}
-    update, loss = trainer.train_round(
-        msg.content["model"].to_torch_state_dict(), received, partition_id=partition_id,
+                for key, record in content.array_records.items() if key != "model"}
+    result = trainer.train_round(
+        content["model"].to_torch_state_dict(), received, partition_id=partition_id,
         num_partitions=num_partitions, server_round=int(config["server-round"]),
         lr=float(config["lr"]), local_steps=int(config["local-steps"]),
-        global_step=int(config["global-step"]))
-    content = RecordDict({"delta": ArrayRecord(update.delta)})
+        global_step=int(config["global-step"]), client_state=load_client_state(context))
+    save_client_state(context, result.client_state)
+    update = result.update
+    reply = RecordDict({"delta": ArrayRecord(update.delta)})
     for key, arrays in update.arrays.items():
-        content[key] = ArrayRecord(arrays)
-    content["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
-                                       "lr-sum": update.lr_sum, "train-loss": loss})
-    return Message(content=content, reply_to=msg)
+        reply[key] = ArrayRecord(arrays)
+    reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
+                                     "lr-sum": update.lr_sum, "train-loss": result.loss})
+    return reply
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return Message(content=train_content(msg.content, context), reply_to=msg)
 
 
 @app.evaluate()

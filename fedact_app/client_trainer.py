@@ -3,21 +3,39 @@
 One ``ClientTrainer`` per process and configuration is kept warm across rounds and across the
 virtual clients a simulation worker serves: the model and the optimizer are reused, because every
 round overwrites the model state and the method's ``begin_round`` resets the optimizer state
-(FedACT: m = 0, v = v_bar, k = 0), so nothing leaks from one client to the next.
+(FedACT: m = 0, v = v_bar, k = 0; LocalAdam: empty state), so nothing leaks from one client to
+the next. What a client keeps across its rounds (SCAFFOLD's c_i) is not kept here: it comes in
+and goes out with each round (``client_state``), and the ClientApp stores it in the client's
+Flower ``Context.state``.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
-from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorDict
 from fedact_app.config import Config, PartitionConfig
 from fedact_app.data import (BatchStream, ImageTensors, batch_generator, load_client_train, load_test,
                              partition_indices, test_batches)
 from fedact_app.models import build_model
 from fedact_app.train import EvalStats, evaluate, resolve_device, train_steps
+
+
+@dataclass
+class RoundResult:
+    """One client round: the reply, the mean training loss, the state the client keeps."""
+
+    update: ClientUpdate
+    loss: float
+    client_state: dict[str, TensorDict]
+
+
+def _to_cpu(arrays: dict[str, TensorDict]) -> dict[str, TensorDict]:
+    """Detached CPU copies (a rule may return its live optimizer state)."""
+    return {key: {n: t.detach().cpu().clone() for n, t in d.items()} for key, d in arrays.items()}
 
 
 class ClientTrainer:
@@ -44,24 +62,25 @@ class ClientTrainer:
 
     def train_round(self, state: TensorDict, received: dict[str, TensorDict], *, partition_id: int,
                     num_partitions: int, server_round: int, lr: float, local_steps: int,
-                    global_step: int) -> tuple[ClientUpdate, float]:
-        """K local steps from x^r = ``state``; returns the update and the mean training loss."""
+                    global_step: int, client_state: dict[str, TensorDict] | None = None) -> RoundResult:
+        """K local steps from x^r = ``state`` with the server's ``received`` arrays and this client's
+        kept ``client_state`` (None or {} on its first round); all inputs and outputs on the CPU."""
         self.load_global(state)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        received = {key: {n: t.to(self.device) for n, t in arrays.items()} for key, arrays in received.items()}
-        self.rule.begin_round(self.optimizer, self.named_params, received, global_step)
+        inputs = RoundInputs(received, client_state or {}, global_step)
+        self.rule.begin_round(self.optimizer, self.named_params, inputs.to(self.device))
         generator = batch_generator(self.cfg.seed, server_round, partition_id, self.device)
         batches = BatchStream(self.train_data(partition_id, num_partitions), self.cfg.batch_size,
                               self.cfg.dataset.augment, generator)
         stats = train_steps(self.model, self.optimizer, batches, local_steps)
         new_state = self.model.state_dict()
         delta = {name: new_state[name].detach().cpu() - state[name] for name in state}
-        arrays = {key: {n: t.detach().cpu() for n, t in tensors.items()}
-                  for key, tensors in self.rule.reply_arrays(self.optimizer, self.named_params).items()}
-        update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,
-                              num_examples=stats.num_examples, arrays=arrays)
-        return update, stats.loss
+        lr_sum = lr * local_steps
+        local = self.rule.end_round(self.optimizer, self.named_params, inputs, delta, lr_sum)
+        update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr_sum,
+                              num_examples=stats.num_examples, arrays=_to_cpu(local.arrays))
+        return RoundResult(update, stats.loss, _to_cpu(local.client_state))
 
     def evaluate_local(self, state: TensorDict, *, partition_id: int, num_partitions: int) -> EvalStats:
         """The global model on this client's share of the test set (an IID split of it)."""

@@ -10,7 +10,7 @@ training starts. The ServerApp, every ClientApp and the scripts call the same ``
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -102,8 +102,10 @@ class PartitionConfig:
 class AlgorithmConfig:
     """The federated method and its hyperparameters (``conf/algorithm/*.yaml``).
 
-    ``lr`` decays over rounds by a cosine to ``lr_min`` and is constant inside a round.
-    ``alpha``/``gamma`` null mean the seed's defaults 1/tau and tau.
+    ``lr`` (the local learning rate) decays over rounds by a cosine to ``lr_min`` and is constant
+    inside a round. ``alpha``/``gamma`` null mean the seed's defaults 1/tau and tau. Each method
+    reads only some keys (``ALGORITHMS[name].uses``; docs/METHODS.md lists them); a key it does not
+    read must stay at the default below, so nothing set by a user is ignored silently.
     """
 
     name: str = "fedact"
@@ -119,16 +121,21 @@ class AlgorithmConfig:
     trust_scope: str = "global"
     trust_signal: str = "corrected"
     scale_matched: bool = False
+    mu: float = 0.0  # FedProx proximal coefficient (mu/2)||x - x^r||^2
     server_lr: float = 1.0
+    server_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # FedAdam server Adam
+    server_eps: float = 1e-3  # FedAdam adaptivity tau (Reddi et al. 2021)
     weighting: str = "uniform"
 
     def __post_init__(self) -> None:
         from fedact_app.algorithms import ALGORITHMS  # registry of method names
 
         _require_choice("algorithm.name", self.name, tuple(ALGORITHMS))
-        for key, value in ALGORITHMS[self.name].required.items():
+        algorithm = ALGORITHMS[self.name]
+        for key, value in algorithm.required.items():
             _require(getattr(self, key) == value, f"algorithm.{key}", getattr(self, key),
                      f"{value!r} for algorithm {self.name} (choose another algorithm instead)")
+        self._require_unused_at_default(algorithm.uses)
         _require(self.lr > 0, "algorithm.lr", self.lr, "> 0")
         _require(0 <= self.lr_min <= self.lr, "algorithm.lr_min", self.lr_min, f"in [0, lr={self.lr}]")
         _require(len(self.betas) == 2, "algorithm.betas", self.betas, "two values [beta1, beta2]")
@@ -143,8 +150,26 @@ class AlgorithmConfig:
         _require(alpha >= gamma, "algorithm.alpha", alpha, f">= gamma ({gamma})")
         _require_choice("algorithm.trust_scope", self.trust_scope, ("global", "tensor"))
         _require_choice("algorithm.trust_signal", self.trust_signal, ("corrected", "local", "none"))
+        if self.name == "fedlada":  # v_hat starts at eps^2; FedLADA has no eps in its denominator
+            _require(self.eps > 0, "algorithm.eps", self.eps, "> 0 for algorithm fedlada")
+        _require(self.mu >= 0, "algorithm.mu", self.mu, ">= 0")
         _require(self.server_lr > 0, "algorithm.server_lr", self.server_lr, "> 0")
+        _require(len(self.server_betas) == 2, "algorithm.server_betas", self.server_betas,
+                 "two values [beta1, beta2]")
+        _require(all(0 <= b < 1 for b in self.server_betas), "algorithm.server_betas",
+                 self.server_betas, "each in [0, 1)")
+        _require(self.server_eps > 0, "algorithm.server_eps", self.server_eps, "> 0")
         _require_choice("algorithm.weighting", self.weighting, WEIGHTINGS)
+
+    def _require_unused_at_default(self, uses: frozenset[str]) -> None:
+        """A key the method does not read must keep its schema default (else it would be ignored)."""
+        for f in fields(self):
+            if f.name == "name" or f.name in uses:
+                continue
+            default = f.default if f.default is not MISSING else f.default_factory()
+            _require(getattr(self, f.name) == default, f"algorithm.{f.name}", getattr(self, f.name),
+                     f"only the default {default!r}: algorithm {self.name} does not use "
+                     f"{f.name} (it uses {', '.join(sorted(uses))})")
 
 
 @dataclass

@@ -60,7 +60,8 @@ def main(grid: Grid, context: Context) -> None:
     recorder = RunRecorder(create_run_dir(cfg), cfg)
     algorithm = cfg.algorithm
     strategy = AlgorithmStrategy(
-        ALGORITHMS[algorithm.name].server(algorithm, trainable), trainable=trainable,
+        ALGORITHMS[algorithm.name].server(algorithm, trainable, num_clients=cfg.num_clients),
+        trainable=trainable,
         local_steps=cfg.local_steps,
         lr_schedule=lambda r: cosine_lr(r, cfg.num_rounds, algorithm.lr, algorithm.lr_min),
         fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,

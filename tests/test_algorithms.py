@@ -6,7 +6,7 @@ import torch
 
 from fedact_app.algorithms import (ALGORITHMS, ClientUpdate, FedACTServer, client_weights,
                                    mean_delta)
-from fedact_app.config import AlgorithmConfig
+from fedact_app.config import AlgorithmConfig, ConfigError, compose
 
 
 def update(delta, v, steps=2, lr_sum=0.2, examples=10):
@@ -98,6 +98,83 @@ def test_mean_delta_integer_rounding():
 
 
 def test_registry_fixes_trust_signal():
-    assert set(ALGORITHMS) >= {"fedact", "fedadamw"}
     with pytest.raises(ValueError, match="algorithm.trust_signal"):
         AlgorithmConfig(name="fedadamw", trust_signal="corrected")
+    with pytest.raises(ValueError, match="algorithm.trust_signal"):
+        AlgorithmConfig(name="fedact_local", trust_signal="corrected")
+    assert compose("algorithm=fedact_local").algorithm.trust_signal == "local"
+
+
+METHODS = ["fedavg", "fedprox", "scaffold", "fedadam", "localadam", "localadamw", "fedlada",
+           "fedadamw", "fedact_local", "fedact"]
+
+# The seed's Appendix C vision table (tab:hyperparams_resnet_vit_swin): local lr, global lr, rho,
+# (beta1, beta2), weight decay. FedAdam's betas are its server Adam's (its local optimizer is SGD).
+SEED_TABLE = {
+    "fedavg": (0.1, 1.0, None, None, 1e-3),
+    "scaffold": (0.1, 1.0, None, None, 1e-3),
+    "fedprox": (0.1, 1.0, None, None, 1e-3),
+    "fedadam": (0.1, 0.01, None, [0.9, 0.98], 1e-3),
+    "localadam": (3e-4, 1.0, None, [0.9, 0.999], 1e-3),
+    "fedlada": (3e-4, 1.0, 0.5, [0.9, 0.999], 1e-3),
+    "localadamw": (3e-4, 1.0, None, [0.9, 0.999], 0.01),
+    "fedadamw": (3e-4, 1.0, 0.5, [0.9, 0.999], 0.01),
+    "fedact_local": (3e-4, 1.0, 0.5, [0.9, 0.999], 0.01),  # as FedACT (not in the table)
+    "fedact": (3e-4, 1.0, 0.5, [0.9, 0.999], 0.01),
+}
+
+
+def test_registry_has_the_ten_methods_of_the_seed():
+    assert sorted(ALGORITHMS) == sorted(METHODS)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_algorithm_yaml_has_the_seed_defaults(name):
+    algo = compose(f"algorithm={name}").algorithm
+    lr, server_lr, rho, betas, wd = SEED_TABLE[name]
+    assert (algo.name, algo.lr, algo.server_lr, algo.weight_decay) == (name, lr, server_lr, wd)
+    if rho is not None:
+        assert algo.rho == rho
+    if betas is not None:
+        assert (algo.server_betas if name == "fedadam" else algo.betas) == betas
+    assert "lr" in ALGORITHMS[name].uses and "weighting" in ALGORITHMS[name].uses
+
+
+def test_method_specific_defaults():
+    assert compose("algorithm=fedprox").algorithm.mu == 0.01
+    assert compose("algorithm=fedadam").algorithm.server_eps == 1e-3
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algorithm=fedavg algorithm.rho=0.3", "algorithm.rho"),
+    ("algorithm=fedavg algorithm.mu=0.1", "algorithm.mu"),
+    ("algorithm=fedadam algorithm.betas=[0.5,0.5]", "algorithm.betas"),
+    ("algorithm=localadam algorithm.tau=0.3", "algorithm.tau"),
+    ("algorithm=fedlada algorithm.trust_scope=tensor", "algorithm.trust_scope"),
+    ("algorithm=fedact algorithm.server_eps=0.1", "algorithm.server_eps"),
+    ("algorithm=scaffold algorithm.eps=1e-6", "algorithm.eps"),
+])
+def test_a_key_the_method_does_not_read_is_rejected(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose(override)
+    assert key in str(err.value) and "does not use" in str(err.value)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algorithm=fedprox algorithm.mu=-0.1", "algorithm.mu"),
+    ("algorithm=fedadam algorithm.server_eps=0", "algorithm.server_eps"),
+    ("algorithm=fedadam algorithm.server_betas=[0.9,1.0]", "algorithm.server_betas"),
+    ("algorithm=fedadam algorithm.server_betas=[0.9]", "algorithm.server_betas"),
+    ("algorithm=fedlada algorithm.eps=0", "algorithm.eps"),
+])
+def test_new_keys_are_range_checked(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose(override)
+    assert key in str(err.value) and "allowed" in str(err.value)
+
+
+def test_keys_a_method_reads_can_be_changed():
+    algo = compose("algorithm=fedadam algorithm.server_betas=[0.8,0.99] algorithm.lr=0.05").algorithm
+    assert algo.server_betas == [0.8, 0.99] and algo.lr == 0.05
+    assert compose("algorithm=fedprox algorithm.mu=0.1").algorithm.mu == 0.1
+    assert compose("algorithm=fedlada algorithm.rho=0.2").algorithm.rho == 0.2

@@ -1,0 +1,230 @@
+"""Local optimizers of the baselines that torch does not ship, as plain ``torch.optim.Optimizer``s.
+
+- :class:`LocalSGD` — the client step of FedAvg, FedProx, SCAFFOLD and FedAdam (plain SGD with L2
+  weight decay, plus FedProx's proximal term and SCAFFOLD's control-variate correction);
+- :class:`FedLADAAdam` — FedLADA's locally amended AMSGrad (Sun et al. 2023).
+
+LocalAdam and LocalAdamW are ``torch.optim.Adam`` / ``torch.optim.AdamW`` (fedact_app.algorithms);
+FedAdamW, FedACT-Local and FedACT are :class:`fedact_app.optim.FedACTAdamW`.
+
+Like FedACTAdamW, the federated round enters only through ``begin_round``: the arrays of the round
+(the anchor x^r, the correction c - c_i, the server's v_bar and offset) are copied into the
+optimizer state there, and every call resets all per-round state, so one warm optimizer can serve
+many clients one after another. Outside a federated loop both classes work as ordinary optimizers
+(``begin_round`` never called: no proximal term, no correction, FedLADA without an offset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["LocalSGD", "FedLADAAdam"]
+
+
+def _check_aligned(name: str, arrays: Optional[Sequence[Tensor]], params: list[Tensor]) -> None:
+    """``arrays`` is None or one tensor per parameter, of the parameter's shape."""
+    if arrays is None:
+        return
+    if len(arrays) != len(params):
+        raise ValueError(f"Invalid {name}: {len(arrays)} tensors for {len(params)} parameters; "
+                         f"expected one tensor per parameter, in param_groups order")
+    for i, (a, p) in enumerate(zip(arrays, params)):
+        if a.shape != p.shape:
+            raise ValueError(f"Invalid {name}[{i}]: shape {tuple(a.shape)} does not match "
+                             f"parameter {i} of shape {tuple(p.shape)}")
+
+
+def _set_round_state(optimizer: Optimizer, key: str, arrays: Optional[Sequence[Tensor]]) -> None:
+    """Copy ``arrays`` into ``state[p][key]`` for every parameter, or drop ``key`` when None."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    _check_aligned(key, arrays, params)
+    for i, p in enumerate(params):
+        state = optimizer.state[p]
+        if arrays is None:
+            state.pop(key, None)
+        elif key in state:
+            state[key].copy_(arrays[i])
+        else:
+            state[key] = arrays[i].detach().to(device=p.device, dtype=p.dtype).clone()
+
+
+class LocalSGD(Optimizer):
+    r"""SGD of the SGD-family clients: FedAvg, FedProx, SCAFFOLD (option II) and FedAdam.
+
+    With ``g`` the stochastic gradient at ``x``, each step is
+
+    .. math::
+        d = g + \lambda x + \mu (x - x^r) + (c - c_i), \qquad x \leftarrow x - \eta d
+
+    - ``lambda x``: L2 weight decay in the gradient (the seed's SGD rows, Appendix C: 1e-3);
+    - ``mu (x - x^r)``: the gradient of FedProx's proximal term (mu/2)||x - x^r||^2 (Li et al.
+      2020, Eq. 2), active when ``mu > 0`` and :meth:`begin_round` got ``anchor = x^r``;
+    - ``c - c_i``: SCAFFOLD's correction (Karimireddy et al. 2020, Alg. 1 line 10:
+      y <- y - eta (g_i(y) + c - c_i)), active when :meth:`begin_round` got ``correction``.
+      It is added to the update itself, every step, so it moves ``x`` exactly as the paper says.
+
+    No momentum: the seed's tables list plain SGD for these methods. Parameters without a
+    gradient are skipped. The optimizer keeps no state across steps besides the round's
+    ``anchor`` and ``correction``.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate eta (>= 0).
+        weight_decay: L2 coefficient lambda (>= 0).
+        mu: proximal coefficient (>= 0).
+    """
+
+    def __init__(self, params, lr: float = 0.1, weight_decay: float = 0.0, mu: float = 0.0) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid lr: {lr!r}; expected lr >= 0")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay: {weight_decay!r}; expected weight_decay >= 0")
+        if not 0.0 <= mu:
+            raise ValueError(f"Invalid mu: {mu!r}; expected mu >= 0")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, mu=mu))
+
+    @torch.no_grad()
+    def begin_round(self, anchor: Optional[Sequence[Tensor]] = None,
+                    correction: Optional[Sequence[Tensor]] = None) -> None:
+        """Start a round: ``anchor`` is x^r (FedProx), ``correction`` is c - c_i (SCAFFOLD), each one
+        tensor per parameter in param_groups order and copied; ``None`` switches the term off."""
+        _set_round_state(self, "anchor", anchor)
+        _set_round_state(self, "correction", correction)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, weight_decay, mu = group["lr"], group["weight_decay"], group["mu"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                d = p.grad.add(p, alpha=weight_decay) if weight_decay else p.grad.clone()
+                if mu and "anchor" in state:
+                    d.add_(p, alpha=mu).sub_(state["anchor"], alpha=mu)
+                if "correction" in state:
+                    d.add_(state["correction"])
+                p.add_(d, alpha=-lr)
+        return loss
+
+
+class FedLADAAdam(Optimizer):
+    r"""FedLADA's local amended AMSGrad (Sun, Shen, Sun, Ding, Tao 2023, "Efficient Federated
+    Learning via Local Adaptive Amended Optimizer with Linear Speedup", Algorithm FedLADA).
+
+    In round r the client starts from ``m = 0`` and ``v = v_hat = v_bar`` (the server's mean of the
+    clients' final ``v_hat``; ``eps**2`` everywhere before the first aggregation) and receives the
+    global offset ``g_a`` (the server's mean update direction per unit of learning rate from the
+    previous round, ``-mean_i Delta_i / sum_k eta``; zero in round 1). Each step, with ``g`` the
+    stochastic gradient at ``x``:
+
+    .. math::
+        g &\leftarrow g + \lambda x \quad \text{(L2 weight decay, Adam-style; the seed's table)}\\
+        m &\leftarrow \beta_1 m + (1-\beta_1) g, \qquad
+        v \leftarrow \beta_2 v + (1-\beta_2) g \odot g, \qquad
+        \hat v \leftarrow \max(\hat v, v)\\
+        x &\leftarrow x - \eta \left[ (1-\rho)\, m / \sqrt{\hat v} + \rho\, g_a \right]
+
+    The paper writes the mix as ``alpha * local + (1 - alpha) * g_a``; ``rho = 1 - alpha`` is the
+    seed's name for the weight of the global direction (0.5 in its Appendix C tables, where the
+    two readings coincide). As in the paper there is no bias correction and no epsilon in the
+    denominator: ``v_hat`` never falls below ``eps**2`` (it starts there and only grows by the
+    max), so the division is safe; :meth:`begin_round` clamps a received ``v_bar`` to ``eps**2``
+    from below, which changes nothing for a ``v_bar`` that FedLADA clients produced.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate eta (>= 0).
+        betas: (beta1, beta2), each in [0, 1).
+        eps: floor of ``sqrt(v_hat)`` (> 0).
+        weight_decay: L2 coefficient lambda (>= 0).
+        rho: weight of the global offset, in [0, 1].
+    """
+
+    def __init__(self, params, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, rho: float = 0.5) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid lr: {lr!r}; expected lr >= 0")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Invalid betas: {betas!r}; expected two values (beta1, beta2), each in [0, 1)")
+        if not 0.0 < eps:
+            raise ValueError(f"Invalid eps: {eps!r}; expected eps > 0 (v_hat starts at eps**2)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay: {weight_decay!r}; expected weight_decay >= 0")
+        if not 0.0 <= rho <= 1.0:
+            raise ValueError(f"Invalid rho: {rho!r}; expected 0 <= rho <= 1")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      rho=rho))
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _init_state(self, p: Tensor, eps: float) -> dict:
+        """The one place state is created: m = 0, v = v_hat = eps**2 (the paper's start)."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.full_like(p, eps * eps, memory_format=torch.preserve_format)
+            state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
+        return state
+
+    @torch.no_grad()
+    def begin_round(self, v_bar: Optional[Sequence[Tensor]] = None,
+                    offset: Optional[Sequence[Tensor]] = None) -> None:
+        """Start a round: ``m <- 0``, ``v, v_hat <- max(v_bar, eps**2)`` (``eps**2`` when None) and
+        the global offset ``g_a <- offset`` (None: zero). Both are one tensor per parameter, in
+        param_groups order, and are copied."""
+        params = self._params()
+        _check_aligned("v_bar", v_bar, params)
+        i = 0
+        for group in self.param_groups:
+            eps = group["eps"]
+            for p in group["params"]:
+                state = self._init_state(p, eps)
+                state["exp_avg"].zero_()
+                if v_bar is None:
+                    state["exp_avg_sq"].fill_(eps * eps)
+                else:
+                    state["exp_avg_sq"].copy_(v_bar[i]).clamp_min_(eps * eps)
+                state["max_exp_avg_sq"].copy_(state["exp_avg_sq"])
+                i += 1
+        _set_round_state(self, "offset", offset)
+
+    def second_moments(self) -> list[Tensor]:
+        """``v_hat`` for every parameter (the live state, aligned with param_groups order): what a
+        FedLADA client sends for the server's ``v_bar``."""
+        return [self._init_state(p, group["eps"])["max_exp_avg_sq"]
+                for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            weight_decay, rho = group["weight_decay"], group["rho"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(p, eps)
+                g = p.grad.add(p, alpha=weight_decay) if weight_decay else p.grad
+                m, v, v_hat = state["exp_avg"], state["exp_avg_sq"], state["max_exp_avg_sq"]
+                m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                torch.maximum(v_hat, v, out=v_hat)
+                direction = (m / v_hat.sqrt()).mul_(1.0 - rho)
+                if "offset" in state:
+                    direction.add_(state["offset"], alpha=rho)
+                p.add_(direction, alpha=-lr)
+        return loss

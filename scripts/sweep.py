@@ -1,0 +1,191 @@
+"""Sweep: Hydra multirun over the app's config, every combination its own Flower run, one folder.
+
+    python scripts/sweep.py -m algorithm=fedact,fedadamw,fedavg partition.alpha=0.6,0.1
+    python scripts/sweep.py -m experiment=table_vit_swin algorithm=fedact --num-gpus 0.25
+    python scripts/sweep.py -m experiment=ablation_rho hydra.sweep.dir=sweeps/rho
+
+Hydra expands the overrides (``-m``; ``a=x,y`` sweeps a key; ``hydra.sweeper.params`` in an
+``experiment=`` preset sweeps its grid) and calls :func:`main` once per combination. Each one is
+validated (fedact_app.config) and then run by ``fedact_app.launch.run_simulation`` on its own private
+SuperLink with ``num_clients`` SuperNodes: a run that fails, times out or has an invalid value is
+recorded and the sweep goes on. A value Hydra itself cannot compose (an unknown key, a wrong type)
+stops the sweep before any run starts: Hydra composes every combination first.
+
+Launcher options, given before or between the Hydra overrides:
+    --num-gpus F     GPUs per simulated client (default 0: CPU)
+    --num-cpus N     CPUs per simulated client (default 1)
+    --timeout S      seconds per run (default 86400)
+
+The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
+
+    summary.jsonl   one line per combination: job, overrides, status, run_dir, accuracies, seconds, error
+    summary.md      the same as a table
+    <job>/          Hydra's job folder: .hydra/ (the job's config and overrides), result.json,
+                    flower.log (the run's log) and the run folder <time>_<algorithm>_..._s<seed>/
+
+``status`` is ``completed``, ``failed`` (the run did not finish as completed; ``error`` has the
+reason), ``timed out``, ``invalid config`` or ``launch error``. The summary is rebuilt from the
+jobs' ``result.json`` after every job, so it is complete also with a parallel Hydra launcher. With
+the default launcher the script exits 1 when any combination did not complete. The app's
+``output_dir`` is set to the job folder by the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parents[1]
+if str(APP_DIR) not in sys.path:
+    sys.path.insert(0, str(APP_DIR))
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from fedact_app.config import CONF_DIR, to_config  # noqa: E402  (also registers the schema)
+from fedact_app.launch import run_simulation  # noqa: E402
+
+DEFAULT_DIR = "sweeps/${now:%Y%m%d-%H%M%S}"
+SUMMARY_COLUMNS = ("job", "status", "final_test_accuracy", "best_test_accuracy", "seconds", "overrides")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    num_gpus: float = 0.0
+    num_cpus: int = 1
+    timeout: float = 86400.0
+
+
+def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
+    """Split this script's own options off the command line; the rest goes to Hydra."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--num-gpus", type=float, default=0.0)
+    parser.add_argument("--num-cpus", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=86400.0)
+    known, rest = parser.parse_known_args(argv)
+    return LaunchOptions(known.num_gpus, known.num_cpus, known.timeout), rest
+
+
+def with_default_dirs(args: list[str]) -> list[str]:
+    """Put runs under ``sweeps/`` unless the user chose ``hydra.sweep.dir`` / ``hydra.run.dir``."""
+    extra = [f"{key}={DEFAULT_DIR}" for key in ("hydra.sweep.dir", "hydra.run.dir")
+             if not any(a.startswith(key + "=") for a in args)]
+    return args + extra
+
+
+# ------------------------------------------------------------------ one combination
+
+
+def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path,
+                    launch: LaunchOptions) -> dict:
+    """Validate and run one combination as its own Flower run; return its summary row (never raises
+    for a failure of the run: the row says what went wrong)."""
+    started = time.monotonic()
+    row = {"job": job_dir.name, "overrides": " ".join(overrides), "status": "", "run_dir": None,
+           "final_test_accuracy": None, "best_test_accuracy": None, "error": ""}
+
+    def done(status: str, error: str = "") -> dict:
+        row.update(status=status, error=error, seconds=round(time.monotonic() - started, 1))
+        return row
+
+    try:
+        config = to_config(cfg)
+    except Exception as err:  # ConfigError and anything else the schema checks raise
+        return done("invalid config", f"{type(err).__name__}: {err}")
+    run_overrides = [o for o in overrides if not o.startswith("output_dir=")]
+    run_overrides.append(f"output_dir={job_dir}")
+    try:
+        result = run_simulation(APP_DIR, overrides=" ".join(shlex.quote(o) for o in run_overrides),
+                                num_supernodes=config.num_clients,
+                                num_cpus_per_client=launch.num_cpus,
+                                num_gpus_per_client=launch.num_gpus, timeout=launch.timeout)
+    except Exception as err:  # the SuperLink did not start or the run was not accepted
+        return done("launch error", f"{type(err).__name__}: {err}")
+    (job_dir / "flower.log").write_text(result.log)
+    summaries = sorted(job_dir.glob("*/summary.json"))
+    if summaries:
+        summary = json.loads(summaries[-1].read_text())
+        row.update(run_dir=summary["run_dir"], final_test_accuracy=summary["final_test_accuracy"],
+                   best_test_accuracy=summary["best_test_accuracy"])
+    if result.completed:
+        return done("completed")
+    reason = result.details or result.tail(20)
+    return done("timed out" if result.timed_out else "failed", f"{result.status}: {reason}")
+
+
+# ------------------------------------------------------------------ the folder's summary
+
+
+def write_summary(sweep_dir: Path) -> list[dict]:
+    """Rebuild ``summary.jsonl`` and ``summary.md`` from every job's ``result.json``."""
+    rows = [json.loads(p.read_text()) for p in sweep_dir.glob("*/result.json")]
+    rows.sort(key=lambda r: (len(r["job"]), r["job"]))
+    _write_atomic(sweep_dir / "summary.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    failed = [r for r in rows if r["status"] != "completed"]
+    lines = [f"# Sweep: {len(rows)} runs, {len(rows) - len(failed)} completed, {len(failed)} not", "",
+             "| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
+    lines += ["| " + " | ".join(_cell(c, r.get(c)) for c in SUMMARY_COLUMNS) + " |" for r in rows]
+    if failed:
+        lines += ["", "## Not completed", ""]
+        lines += [f"- job {r['job']} ({r['overrides']}): {r['status']}: "
+                  f"{r['error'].strip().splitlines()[-1] if r['error'].strip() else ''}" for r in failed]
+    _write_atomic(sweep_dir / "summary.md", "\n".join(lines) + "\n")
+    return rows
+
+
+def _cell(column: str, value) -> str:
+    if value is None:
+        return ""
+    if column.endswith("accuracy"):
+        return f"{value:.4f}"
+    return str(value).replace("|", "\\|")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------ Hydra entry point
+
+LAUNCH = LaunchOptions()
+SWEEP_DIRS: set[Path] = set()  # folders this process wrote to (the default launcher runs in-process)
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    job_dir = Path(hc.runtime.output_dir).resolve()
+    sweep_dir = Path(hc.sweep.dir).resolve() if hc.mode == RunMode.MULTIRUN else job_dir
+    overrides = list(hc.overrides.task)
+    row = run_combination(cfg, overrides, job_dir, LAUNCH)
+    (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
+    write_summary(sweep_dir)
+    SWEEP_DIRS.add(sweep_dir)
+    print(f"[sweep] job {row['job']}: {row['status']} ({row['overrides']})"
+          + (f" final test accuracy {row['final_test_accuracy']:.4f}"
+             if row["final_test_accuracy"] is not None else ""), flush=True)
+
+
+def cli(argv: list[str]) -> int:
+    global LAUNCH
+    LAUNCH, hydra_args = parse_launch_options(argv)
+    sys.argv = [sys.argv[0], *with_default_dirs(hydra_args)]
+    main()
+    rows = [row for d in sorted(SWEEP_DIRS) for row in write_summary(d)]
+    for d in sorted(SWEEP_DIRS):
+        print(f"[sweep] {d}/summary.md")
+    return 1 if any(r["status"] != "completed" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
