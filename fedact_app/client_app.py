@@ -2,13 +2,59 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedact_app.algorithms import TensorDict
-from fedact_app.client_trainer import trainer_for
+from fedact_app.client_trainer import ClientTrainer, trainer_for
+from fedact_app.config import Config, compose
 
 app = ClientApp()
+
+
+DATA_PATH_KEY = "data-path"
+FILE_DATASETS = ("cifar10", "cifar100", "tiny_imagenet", "fashion_mnist")  # read from dataset.path
+
+
+def node_data(context: Context, cfg: Config) -> tuple[int, int, str | None]:
+    """(partition-id, num-partitions, data-path) from the node config: either the node's own
+    dataset (``data-path``: (0, 1, path)) or a benchmark partition ((i, n, None))."""
+    node_config = context.node_config
+    if DATA_PATH_KEY not in node_config:
+        return (*node_partition(context, cfg.num_clients), None)
+    if "partition-id" in node_config or "num-partitions" in node_config:
+        raise ValueError(
+            f"The node config has both {DATA_PATH_KEY} and partition-id/num-partitions: give either "
+            f"--node-config \"{DATA_PATH_KEY}='/abs/path'\" (this node's own data) or "
+            f"\"partition-id=<i> num-partitions=<n>\" (a benchmark partition). "
+            f"Node config seen: {dict(node_config)}")
+    path = os.path.expanduser(str(node_config[DATA_PATH_KEY]))
+    if not os.path.isabs(path):
+        raise ValueError(f"{DATA_PATH_KEY}={path!r} must be an absolute path: the ClientApp does "
+                         "not run in the directory the SuperNode was started from")
+    if cfg.dataset.name not in FILE_DATASETS:
+        raise ValueError(
+            f"{DATA_PATH_KEY} needs a dataset config that describes this node's files (image size, "
+            f"channels, classes, columns): run with dataset=<{'|'.join(FILE_DATASETS)}>, not "
+            f"dataset={cfg.dataset.name}")
+    if not os.path.exists(os.path.dirname(path) if "{split}" in path else path):
+        raise FileNotFoundError(f"{DATA_PATH_KEY}={path!r} does not exist on this SuperNode")
+    return 0, 1, path
+
+
+def node_trainer(context: Context) -> tuple[ClientTrainer, int, int]:
+    """(trainer, partition-id, num-partitions) for this run and this SuperNode's node config."""
+    overrides = str(context.run_config.get("overrides", ""))
+    partition_id, num_partitions, data_path = node_data(context, _compose(overrides))
+    return trainer_for(overrides, data_path), partition_id, num_partitions
+
+
+@functools.lru_cache(maxsize=2)
+def _compose(overrides: str) -> Config:
+    return compose(overrides)
 
 
 def node_partition(context: Context, num_clients: int) -> tuple[int, int]:
@@ -49,8 +95,7 @@ def save_client_state(context: Context, client_state: dict[str, TensorDict]) -> 
 
 def train_content(content: RecordDict, context: Context) -> RecordDict:
     """The train handler's work on plain records: one local round, the reply's records."""
-    trainer = trainer_for(str(context.run_config.get("overrides", "")))
-    partition_id, num_partitions = node_partition(context, trainer.cfg.num_clients)
+    trainer, partition_id, num_partitions = node_trainer(context)
     config = content["config"]
     received = {key: record.to_torch_state_dict()
                 for key, record in content.array_records.items() if key != "model"}
@@ -76,8 +121,7 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    trainer = trainer_for(str(context.run_config.get("overrides", "")))
-    partition_id, num_partitions = node_partition(context, trainer.cfg.num_clients)
+    trainer, partition_id, num_partitions = node_trainer(context)
     stats = trainer.evaluate_local(msg.content["model"].to_torch_state_dict(),
                                    partition_id=partition_id, num_partitions=num_partitions)
     metrics = MetricRecord({"num-examples": stats.num_examples, "test-loss": stats.loss,

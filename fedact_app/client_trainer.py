@@ -11,13 +11,16 @@ Flower ``Context.state``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from logging import INFO
 
 import torch
+from flwr.common import log
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorDict
-from fedact_app.config import Config, PartitionConfig
+from fedact_app.config import Config, PartitionConfig, compose
 from fedact_app.data import (BatchStream, ImageTensors, batch_generator, load_client_train, load_test,
                              partition_indices, test_batches)
 from fedact_app.models import build_model
@@ -94,8 +97,20 @@ class ClientTrainer:
 
 
 @functools.lru_cache(maxsize=2)
-def trainer_for(overrides: str) -> ClientTrainer:
-    """The process's warm trainer for one run configuration (the run's ``overrides`` string)."""
-    from fedact_app.config import compose
+def trainer_for(overrides: str, data_path: str | None = None) -> ClientTrainer:
+    """The process's warm trainer for one run configuration (the run's ``overrides`` string).
 
-    return ClientTrainer(compose(overrides))
+    ``data_path`` (a SuperNode's node-config ``data-path``) replaces ``dataset.path``: the node
+    trains on the whole train split found there (one IID partition of one) and evaluates on the
+    whole test split there. The rest of the dataset config (image size, channels, classes,
+    columns, normalization) comes from the run's overrides, as for every other node.
+    """
+    cfg = compose(overrides)
+    if data_path is None:
+        return ClientTrainer(cfg)
+    cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, path=data_path),
+                              partition=PartitionConfig(name="iid"))
+    trainer = ClientTrainer(cfg)
+    log(INFO, "SuperNode data: data-path=%s, %d training examples", data_path,
+        len(trainer.train_data(0, 1)))
+    return trainer

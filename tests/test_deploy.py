@@ -362,7 +362,6 @@ def _write_site(folder: Path, n_train: int, n_test: int, label: int, seed: int) 
             .to_parquet(str(folder / f"{split}.parquet"))
 
 
-@pytest.mark.skip(reason="needs data-path support in client_app (pending)")
 def test_supernode_with_its_own_data_path_trains_on_it(tmp_path):
     sites = {0: (tmp_path / "site-a", 24), 1: (tmp_path / "site-b", 40)}
     for i, (folder, n_train) in sites.items():
@@ -389,7 +388,6 @@ def test_supernode_with_its_own_data_path_trains_on_it(tmp_path):
             lc.down(cluster, quiet=True)
 
 
-@pytest.mark.skip(reason="needs data-path support in client_app (pending)")
 def test_bad_data_path_node_config_fails_clearly(tmp_path):
     from flwr.app import Context, RecordDict
 
