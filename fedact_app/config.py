@@ -192,12 +192,13 @@ class Config:
     eval_every: int = 1  # centralized test-set evaluation every n rounds (and at the last)
     eval_batch_size: int = 500
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
+    max_empty_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
     output_dir: str = "outputs"
     data_dir: Optional[str] = None  # Hugging Face datasets cache; default: HF_DATASETS_CACHE
 
     def __post_init__(self) -> None:
         for key in ("num_rounds", "num_clients", "min_train_nodes", "local_steps", "batch_size",
-                    "eval_every", "eval_batch_size"):
+                    "eval_every", "eval_batch_size", "max_empty_rounds"):
             _require(getattr(self, key) >= 1, key, getattr(self, key), ">= 1")
         _require(0 < self.fraction_train <= 1, "fraction_train", self.fraction_train, "in (0, 1]")
         _require(0 <= self.fraction_evaluate <= 1, "fraction_evaluate", self.fraction_evaluate, "in [0, 1]")

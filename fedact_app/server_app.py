@@ -65,7 +65,8 @@ def main(grid: Grid, context: Context) -> None:
         local_steps=cfg.local_steps,
         lr_schedule=lambda r: cosine_lr(r, cfg.num_rounds, algorithm.lr, algorithm.lr_min),
         fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
-        fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed)
+        fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed, expected_nodes=cfg.num_clients,
+        max_empty_rounds=cfg.max_empty_rounds)
     final_state = strategy.start(grid, initial_state, cfg.num_rounds, cfg.round_timeout,
                                  evaluate_fn=evaluator, on_round_end=recorder.record_round)
     recorder.finish(final_state)

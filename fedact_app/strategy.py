@@ -33,6 +33,9 @@ from flwr.serverapp.strategy import Strategy
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
 
 
+ALL_NODES_WAIT = 30.0  # seconds the first round waits for every expected node to register
+
+
 class ReplyError(ValueError):
     """A client reply that cannot be aggregated."""
 
@@ -81,6 +84,7 @@ class AlgorithmStrategy(Strategy):
     def __init__(self, rule: ServerRule, *, trainable: Sequence[str],
                  local_steps: int, lr_schedule: Callable[[int], float], fraction_train: float,
                  min_train_nodes: int, fraction_evaluate: float = 0.0, seed: int = 42,
+                 expected_nodes: int = 0, max_empty_rounds: int = 3,
                  node_wait_timeout: float = 300.0) -> None:
         self.rule = rule
         self.trainable = list(trainable)
@@ -90,6 +94,9 @@ class AlgorithmStrategy(Strategy):
         self.min_train_nodes = min_train_nodes
         self.fraction_evaluate = fraction_evaluate
         self.node_wait_timeout = node_wait_timeout
+        self.expected_nodes = expected_nodes
+        self.max_empty_rounds = max_empty_rounds
+        self._first_sample = True
         self.rng = random.Random(seed)
         self.state: TensorDict = {}
         self.bytes_sent = 0
@@ -97,13 +104,25 @@ class AlgorithmStrategy(Strategy):
     # ------------------------------------------------------------------ sampling
 
     def sample_nodes(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
-        """Sample max(fraction * connected, minimum) nodes, waiting (bounded) for enough to connect."""
-        deadline = time.monotonic() + self.node_wait_timeout
-        while len(nodes := sorted(grid.get_node_ids())) < minimum:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Only {len(nodes)} nodes connected after {self.node_wait_timeout:.0f} s; "
-                                   f"min_train_nodes={minimum} are needed")
+        """Sample max(fraction * connected, minimum) of the connected nodes.
+
+        Nodes register with the SuperLink while the ServerApp starts, so the first call waits up
+        to ``ALL_NODES_WAIT`` seconds for all ``expected_nodes``; every call waits up to
+        ``node_wait_timeout`` for ``minimum``. Fewer than ``minimum`` after that is an error.
+        """
+        wanted = max(minimum, self.expected_nodes) if self._first_sample else minimum
+        self._first_sample = False
+        started = time.monotonic()
+        while len(nodes := sorted(grid.get_node_ids())) < wanted:
+            waited = time.monotonic() - started
+            if (len(nodes) >= minimum and waited > ALL_NODES_WAIT) or waited > self.node_wait_timeout:
+                break
             time.sleep(1.0)
+        if len(nodes) < minimum:
+            raise RuntimeError(f"Only {len(nodes)} nodes connected after {self.node_wait_timeout:.0f} s; "
+                               f"at least {minimum} are needed (min_train_nodes)")
+        if len(nodes) < wanted:
+            log(WARNING, "%d of the %d expected nodes connected; sampling from those", len(nodes), wanted)
         count = min(len(nodes), max(int(len(nodes) * fraction), minimum))
         return self.rng.sample(nodes, count)
 
@@ -188,6 +207,7 @@ class AlgorithmStrategy(Strategy):
         self.state = dict(initial_state)
         on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
         arrays = ArrayRecord(self.state)
+        empty_rounds = 0
         for server_round in range(1, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)
@@ -204,4 +224,10 @@ class AlgorithmStrategy(Strategy):
             row.update(evaluate_fn(server_round, self.state) or {})
             row["seconds"] = time.perf_counter() - started
             on_round_end(row)
+            empty_rounds = 0 if new_arrays is not None else empty_rounds + 1
+            if empty_rounds >= self.max_empty_rounds:
+                raise RuntimeError(
+                    f"No usable client reply in {empty_rounds} consecutive rounds (up to round "
+                    f"{server_round}); stopping (max_empty_rounds={self.max_empty_rounds}). The "
+                    f"reasons are logged above as 'node ... failed' / 'rejected reply'.")
         return self.state

@@ -102,3 +102,19 @@ def test_bad_override_fails_the_run_with_the_reason(tmp_path):
                             num_supernodes=2, timeout=300)
     assert not result.completed
     assert "algorithm.tau" in result.log + result.details
+
+
+@pytest.mark.e2e
+def test_rounds_without_usable_replies_stop_the_run_with_the_reason(tmp_path):
+    # 3 clients configured, 2 SuperNodes: every ClientApp refuses (num-partitions != num_clients),
+    # the model stays unchanged and the run stops after max_empty_rounds with a clear message.
+    result = run_simulation(APP_DIR, overrides=f"num_clients=3 num_rounds=5 max_empty_rounds=2 "
+                                               f"local_steps=2 output_dir={tmp_path}",
+                            num_supernodes=2, timeout=300)
+    assert not result.completed
+    text = result.log + result.details
+    assert "No usable client reply in 2 consecutive rounds" in text
+    assert "num_clients=3" in text  # the ClientApp's reason reaches the run's log
+    rows = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert all(r["clients"] == 0 and r["rejected"] == 2 for r in rows[1:])
