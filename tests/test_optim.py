@@ -514,3 +514,123 @@ def test_torch_kthvalue_selection_matches_reference(trust_scope, monkeypatch):
     monkeypatch.setattr(optim_module, "np", None)
     run_against_reference({**BASE, "trust_scope": trust_scope, "tau": 0.3},
                           rounds_kwargs=dict(zero_frac=0.2))
+
+
+# ---------------------------------------------------------------------- fast paths (docs/PERFORMANCE.md)
+
+
+def _stable_top_k(s, k):
+    """1 on the k largest entries of s (stable descending sort: ties to the lowest index)."""
+    top = torch.zeros_like(s)
+    top[torch.sort(s, descending=True, stable=True).indices[:k]] = 1
+    return top
+
+
+def _host_and_device_top_k(s, k, on_host):
+    seg = optim_module._TrustSegment(s, torch.empty(s.numel(), dtype=torch.bool),
+                                     torch.empty(s.numel(), dtype=torch.bool if on_host else torch.int32),
+                                     dict(tau=0.5, alpha=2.0, gamma=0.5, scale_matched=False))
+    found = optim_module._threshold_on_host(seg, k, parallel=True) if on_host and 0 < k < s.numel() else None
+    optim_module._top_k_indicator(seg, k, found)
+    return s
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-kthvalue"])
+@pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "signed zeros", "all equal"])
+def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
+    """Above _BRACKET_MIN (sample, bracket, exact count, chunks on threads) and on the device path:
+    exactly floor(tau*d) ones, ties to the lowest index, whatever the ties."""
+    monkeypatch.setattr(optim_module, "_BRACKET_MIN", 1 << 16)
+    monkeypatch.setattr(optim_module, "_HOST_CHUNK", 1 << 16)
+    d = (1 << 18) + 3
+    gen = torch.Generator().manual_seed(5)
+    s = {"normal": lambda: torch.randn(d, generator=gen),
+         "70% zeros": lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.7),
+         "five values": lambda: torch.randint(0, 5, (d,), generator=gen).float(),
+         "signed zeros": lambda: torch.randn(d, generator=gen).clamp(min=0) * torch.tensor([1.0, -0.0]).repeat(d)[:d],
+         "all equal": lambda: torch.ones(d)}[kind]()
+    for tau in (1e-6, 0.3, 0.5, 0.999999):
+        k = math.floor(tau * d)
+        assert torch.equal(_host_and_device_top_k(s.clone(), k, on_host), _stable_top_k(s, k)), tau
+
+
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+@pytest.mark.parametrize("bracket_z", [4.0, 0.0], ids=["bracket", "bracket-misses"])
+def test_bracketed_selection_matches_reference(trust_scope, bracket_z, monkeypatch):
+    """The host selection's bracket (made to run on small tensors here, in chunks on threads), also
+    when it misses the threshold and falls back to a full selection; gradients with 50 % zeros."""
+    monkeypatch.setattr(optim_module, "_BRACKET_MIN", 256)
+    monkeypatch.setattr(optim_module, "_HOST_CHUNK", 300)
+    monkeypatch.setattr(optim_module, "_BRACKET_Z", bracket_z)
+    run_against_reference({**BASE, "trust_scope": trust_scope}, shapes=[(40, 30), (700,), (9, 11, 3)],
+                          rounds_kwargs=dict(zero_frac=0.5, global_steps=[0, 3]))
+
+
+def test_state_is_packed_into_flat_live_views_across_rounds():
+    """m, v, Delta_G are views of flat buffers; a round with, then without, then with Delta_G (the
+    layout is rebuilt each time) still follows the reference, and v stays the live state."""
+    params = make_params()
+    ref = Reference(params, hyper_of(BASE, len(params)), **trust_of(BASE))
+    opt = FedACTAdamW(params, **BASE)
+    warm, cold = make_rounds(params, n_rounds=2, global_steps=[0, 3]), make_rounds(params, n_rounds=1, warm=False)
+    drive(opt, params, ref, [cold[0], warm[1], (None, None, 6, cold[0][3]), warm[0]])
+    assert_matches(params, ref)
+    v = opt.second_moments()
+    assert len({t.untyped_storage().data_ptr() for t in v}) == 1  # one flat buffer
+    assert all(t is opt.state[p]["exp_avg_sq"] for t, p in zip(v, params))
+
+
+def test_float32_and_float64_groups_share_one_global_selection():
+    """Runs of different dtypes: the scores are float64 for all, the state keeps each dtype."""
+    params = make_params(dtype=torch.float64)
+    params[1] = params[1].detach().float().requires_grad_()
+    ref = Reference(params, hyper_of(BASE, len(params)), **trust_of(BASE))
+    opt = FedACTAdamW(params, **BASE)
+    drive(opt, params, ref, make_rounds(params, zero_frac=0.3))
+    assert_matches(params, ref, rtol=1e-5, atol=1e-6)
+    assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("trust_signal, zero_frac", [("corrected", 0.0), ("corrected", 0.7), ("local", 0.0),
+                                                     ("none", 0.0)])
+def test_compiled_passes_match_reference(trust_signal, zero_frac):
+    """compile=True: m, v, u and s in one torch.compile-d pass, and the compare with phi in another
+    (ties: the eager tie-break), float32, against the reference."""
+    run_against_reference({**BASE, "trust_signal": trust_signal, "compile": True}, dtype=torch.float32,
+                          rounds_kwargs=dict(global_steps=[0, 7], zero_frac=zero_frac), rtol=1e-5, atol=1e-6)
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no C++ compiler here")
+        return call
+
+    monkeypatch.setattr(optim_module, "_COMPILED", {})
+    monkeypatch.setattr(optim_module.torch, "compile", broken)
+    results = []
+    for compile_ in (True, False):
+        params = make_params(dtype=torch.float32)
+        rounds = make_rounds(params)
+        if compile_:
+            with pytest.warns(RuntimeWarning, match="torch.compile failed.*no C\\+\\+ compiler") as record:
+                drive(FedACTAdamW(params, **BASE, compile=True), params, None, rounds)
+            assert len(record) == 1
+        else:
+            drive(FedACTAdamW(params, **BASE), params, None, rounds)
+        results.append(params)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("trust_signal", ["corrected", "local"])
+def test_gathered_scores_as_off_cpu_match_reference_and_the_cpu_path(trust_signal, monkeypatch):
+    """foreach off CPU gathers g into the flat scores (two kernels); run here on CPU."""
+    kw = {**BASE, "trust_signal": trust_signal, "foreach": True}
+    results = []
+    for gathers in (False, True):
+        monkeypatch.setattr(optim_module, "_gathers_scores", lambda device: gathers)
+        opt, params, _ = run_against_reference(kw, rounds_kwargs=dict(zero_frac=0.3))
+        results.append(params)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

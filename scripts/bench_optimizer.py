@@ -1,0 +1,250 @@
+"""Benchmark: one optimizer step of FedACT-AdamW against torch.optim.AdamW on real parameter sets.
+
+    python scripts/bench_optimizer.py                       # vit_tiny and resnet18, CPU (and CUDA if present)
+    python scripts/bench_optimizer.py --device cuda --repeats 50
+    python scripts/bench_optimizer.py --quick               # seconds: cnn_small, few repeats (CI smoke)
+
+For each model (built by ``fedact_app.models.build_model`` for ``--dataset``) and device it times,
+side by side, ``step()`` of
+
+- ``AdamW foreach`` — ``torch.optim.AdamW(foreach=True)``, the reference of every ratio;
+- ``AdamW fused`` — ``torch.optim.AdamW(fused=True)`` (CUDA only);
+- ``FedACT global`` — ``FedACTAdamW`` with its defaults (exact global top-floor(tau*d));
+- ``FedACT tensor`` — ``trust_scope="tensor"``;
+- ``FedAdamW`` — ``trust_signal="none"``;
+- with ``--compile``, ``FedACT compiled`` — the defaults with ``compile=True``.
+
+Every optimizer owns a copy of the parameters with fixed random gradients; the FedACT ones start
+a round with a random v_bar and Delta_G (as from round 2 on). Timing interleaves the optimizers
+(one step of each per repeat, after warm-up steps), so a busy machine slows all of them alike,
+and reports the median and the minimum; on CUDA each step is timed with a synchronize on both
+sides. ``memory`` is what the optimizer holds beyond the parameters and gradients (state and
+scratch, counted once per storage); on CUDA also the transient peak of one step above that
+(``torch.cuda.max_memory_allocated``).
+
+Then the whole train step, forward + backward + step (batch ``--batch`` at the dataset's image
+size, random data), for AdamW foreach and FedACT global (and compiled), interleaved the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+APP_DIR = Path(__file__).resolve().parents[1]
+if str(APP_DIR) not in sys.path:
+    sys.path.insert(0, str(APP_DIR))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fedact_app.config import compose  # noqa: E402
+from fedact_app.models import build_model  # noqa: E402
+from fedact_app.optim import FedACTAdamW  # noqa: E402
+
+REFERENCE = "AdamW foreach"
+
+
+def optimizers(device: torch.device, compiled: bool = False
+               ) -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
+    """The optimizers compared, by name (fused AdamW only where torch has it: CUDA)."""
+    makers = {
+        REFERENCE: lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01, foreach=True),
+        "FedACT global": lambda ps: FedACTAdamW(ps, lr=3e-4),
+        "FedACT tensor": lambda ps: FedACTAdamW(ps, lr=3e-4, trust_scope="tensor"),
+        "FedAdamW": lambda ps: FedACTAdamW(ps, lr=3e-4, trust_signal="none"),
+    }
+    if device.type == "cuda":
+        makers["AdamW fused"] = lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01, fused=True)
+    if compiled:
+        makers["FedACT compiled"] = lambda ps: FedACTAdamW(ps, lr=3e-4, compile=True)
+    return makers
+
+
+def start_round(opt: torch.optim.Optimizer, params: list[torch.Tensor], seed: int) -> None:
+    """A FedACT optimizer starts a round as from round 2 on: random v_bar and Delta_G."""
+    if isinstance(opt, FedACTAdamW):
+        gen = torch.Generator().manual_seed(seed)
+        v_bar = [(1e-6 * torch.rand(p.shape, generator=gen)).to(p) for p in params]
+        delta_g = [(1e-3 * torch.randn(p.shape, generator=gen)).to(p) for p in params]
+        opt.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=50)
+
+
+def held_bytes(opt: torch.optim.Optimizer, exclude: list[torch.Tensor]) -> int:
+    """Bytes of every tensor reachable from the optimizer (state and scratch), each storage once,
+    without the parameters and gradients in ``exclude``."""
+    seen = {t.untyped_storage().data_ptr() for t in exclude}
+    total, stack, visited = 0, [vars(opt)], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.append(vars(obj))
+    return total
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+                warmup: int) -> dict[str, list[float]]:
+    """Seconds of every repeat of every function, run round-robin after ``warmup`` rounds."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            timed(fn, device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, device))
+    return times
+
+
+def bench_steps(params0: list[torch.Tensor], device: torch.device, repeats: int, warmup: int,
+                compiled: bool) -> list[dict]:
+    """Step time and memory of every optimizer on copies of ``params0``."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [(1e-2 * torch.randn(p.shape, generator=gen)).to(device) for p in params0]
+    opts, held, exclude = {}, {}, []
+    for i, (name, make) in enumerate(optimizers(device, compiled).items()):
+        params = [p.detach().clone().to(device).requires_grad_() for p in params0]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt = make(params)
+        start_round(opt, params, seed=i)
+        opt.step()  # creates the state
+        opts[name] = opt
+        held[name] = held_bytes(opt, params + [p.grad for p in params])
+        exclude += params
+    rows = []
+    times = interleaved({name: opt.step for name, opt in opts.items()}, device, repeats, warmup)
+    for name, opt in opts.items():
+        row = dict(name=name, median_ms=1e3 * statistics.median(times[name]), min_ms=1e3 * min(times[name]),
+                   held_mib=held[name] / 2**20)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            opt.step()
+            torch.cuda.synchronize(device)
+            row["transient_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+        rows.append(row)
+    ref = next(r for r in rows if r["name"] == REFERENCE)
+    for row in rows:
+        row["ratio"] = row["median_ms"] / ref["median_ms"]
+    return rows
+
+
+def bench_train_step(model0: torch.nn.Module, shape: tuple[int, ...], num_classes: int, device: torch.device,
+                     repeats: int, warmup: int, compiled: bool) -> dict[str, float]:
+    """Median seconds of forward + backward + step for AdamW foreach and FedACT global."""
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(shape, generator=gen).to(device)
+    labels = torch.randint(0, num_classes, (shape[0],), generator=gen).to(device)
+    makers = optimizers(device, compiled)
+    fns = {}
+    for i, name in enumerate((REFERENCE, "FedACT global", "FedACT compiled")[:3 if compiled else 2]):
+        model = copy.deepcopy(model0).to(device).train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = makers[name](params)
+        start_round(opt, params, seed=i)
+
+        def train_step(model=model, opt=opt):
+            loss = F.cross_entropy(model(images), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        fns[name] = train_step
+    times = interleaved(fns, device, repeats, warmup)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def print_table(model: str, dataset: str, params: list[torch.Tensor], device: torch.device, rows: list[dict],
+                train: dict[str, float] | None, batch: int, image_size: int) -> None:
+    d = sum(p.numel() for p in params)
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"\n{model} / {dataset}: {d:,} parameters in {len(params)} tensors; {name}{threads}")
+    cuda = device.type == "cuda"
+    header = f"{'optimizer':<15} {'median ms':>10} {'min ms':>9} {'x ' + REFERENCE:>16} {'memory MiB':>11}"
+    print(header + (f" {'step peak MiB':>14}" if cuda else ""))
+    for r in rows:
+        line = (f"{r['name']:<15} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['ratio']:>16.2f} "
+                f"{r['held_mib']:>11.1f}")
+        print(line + (f" {r['transient_mib']:>14.1f}" if cuda else ""))
+    if train:
+        ref = train[REFERENCE]
+        print(f"train step (forward + backward + step, batch {batch} at {image_size} px): "
+              + ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in train.items()) + "; "
+              + ", ".join(f"ratio {name} {s / ref:.3f}" for name, s in train.items() if name != REFERENCE))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["vit_tiny", "resnet18"])
+    parser.add_argument("--dataset", default="cifar100", help="sets image size, channels and classes")
+    parser.add_argument("--device", default="all", choices=["all", "cpu", "cuda"],
+                        help="all: CPU, and CUDA when present")
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps per optimizer")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--batch", type=int, default=50, help="train-step batch size")
+    parser.add_argument("--train-repeats", type=int, default=5, help="timed train steps per optimizer")
+    parser.add_argument("--no-train-step", action="store_true", help="skip the whole train step")
+    parser.add_argument("--compile", action="store_true", help="also FedACT with compile=True")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: cnn_small on digits, 3 repeats, 1 warm-up, batch 8")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.dataset = ["cnn_small"], "digits"
+        args.repeats, args.warmup, args.batch, args.train_repeats = 3, 1, 8, 2
+    torch.set_num_threads(args.threads)
+    devices = [torch.device("cpu")] if args.device in ("all", "cpu") else []
+    if args.device == "cuda" or (args.device == "all" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            parser.error("--device cuda but no CUDA device is visible")
+        devices.append(torch.device("cuda"))
+    print(f"torch {torch.__version__}; median and min of {args.repeats} interleaved steps after "
+          f"{args.warmup} warm-up; ratio = median / median of {REFERENCE}")
+    for model_name in args.models:
+        cfg = compose(f"model={model_name} dataset={args.dataset}")
+        model = build_model(cfg.model, cfg.dataset)
+        params = [p for p in model.parameters() if p.requires_grad]
+        ds = cfg.dataset
+        for device in devices:
+            rows = bench_steps(params, device, args.repeats, args.warmup, args.compile)
+            train = None
+            if not args.no_train_step:
+                shape = (args.batch, ds.channels, ds.image_size, ds.image_size)
+                train = bench_train_step(model, shape, ds.num_classes, device, args.train_repeats, 1,
+                                         args.compile)
+            print_table(model_name, args.dataset, params, device, rows, train, args.batch, ds.image_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Benchmark: one Flower simulation round against a plain single-process PyTorch loop.
+
+    python scripts/bench_round.py                     # digits / cnn_small, 4 clients x 50 steps, 5 rounds
+    python scripts/bench_round.py --quick             # ~30 s: 2 clients x 5 steps, 2 rounds (CI smoke)
+    python scripts/bench_round.py --overrides "dataset=synthetic model=resnet18" --num-gpus 1
+
+Both sides do the same work per round: all S clients (``fraction_train=1``) run K local FedACT
+steps on their own partition, then the server aggregates (x, v_bar, Delta_G).
+
+- Flower: ``fedact_app.launch.run_simulation`` runs the app on a private SuperLink; a round's
+  wall time is the ``seconds`` of its row in the run's ``metrics.jsonl`` (the ServerApp's
+  round loop: messages out, client work, replies in, aggregation).
+- Plain loop: the same pieces in this process (``fedact_app.data`` partitions and batches,
+  ``fedact_app.models``, ``fedact_app.optim.FedACTAdamW``, ``fedact_app.train.train_steps``,
+  the method's server rule from ``fedact_app.algorithms``), clients one after the other.
+
+Round 1 (process and data start-up) and the last round (it also evaluates the global model)
+are left out; the figures are medians over the rounds in between (with fewer than three rounds,
+the last round, as a smoke run). The Flower round is split into
+local compute (the plain loop's), (de)serialization (measured here: every message of a round
+taken torch -> ArrayRecord -> protobuf bytes -> ArrayRecord -> torch), aggregation (the plain
+loop's) and the rest, idle time and overhead (scheduling, transport, waiting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parents[1]
+if str(APP_DIR) not in sys.path:
+    sys.path.insert(0, str(APP_DIR))
+
+import torch  # noqa: E402
+from flwr.app import ArrayRecord, RecordDict  # noqa: E402
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # noqa: E402
+
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict  # noqa: E402
+from fedact_app.config import Config, compose  # noqa: E402
+from fedact_app.data import BatchStream, batch_generator, load_client_train  # noqa: E402
+from fedact_app.launch import run_simulation  # noqa: E402
+from fedact_app.models import build_model  # noqa: E402
+from fedact_app.optim import FedACTAdamW  # noqa: E402
+from fedact_app.train import cosine_lr, resolve_device, train_steps  # noqa: E402
+
+FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client optimizer is FedACTAdamW
+
+
+def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
+    """The run's overrides: every client in every round, no evaluation but at the end."""
+    return " ".join([
+        args.overrides,
+        f"num_clients={args.clients} fraction_train=1.0 min_train_nodes={args.clients}",
+        f"local_steps={args.local_steps} num_rounds={args.rounds} eval_every={args.rounds}",
+        f"fraction_evaluate=0.0 output_dir={output_dir}",
+    ]).strip()
+
+
+def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) -> tuple[list[dict], float]:
+    """The rows of metrics.jsonl of one simulation run, and the run's whole wall time."""
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=args.clients,
+                            num_cpus_per_client=args.num_cpus, num_gpus_per_client=args.num_gpus,
+                            timeout=args.timeout, env=env, cwd=output_dir)
+    if not result.completed:
+        raise RuntimeError(f"the Flower run did not complete ({result.status}; {result.details}):\n"
+                           f"{result.tail()}")
+    metrics = sorted(output_dir.glob("*/metrics.jsonl"))
+    if not metrics:
+        raise RuntimeError(f"no metrics.jsonl under {output_dir}:\n{result.tail()}")
+    rows = [json.loads(line) for line in metrics[-1].read_text().splitlines() if line.strip()]
+    return [row for row in rows if row["round"] >= 1], result.seconds
+
+
+def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
+    """Seconds to take every message torch -> ArrayRecord -> bytes -> ArrayRecord -> torch."""
+    start = time.perf_counter()
+    for arrays in messages:
+        content = RecordDict({key: ArrayRecord(tensors) for key, tensors in arrays.items()})
+        proto = ProtoRecordDict()
+        proto.ParseFromString(recorddict_to_proto(content).SerializeToString())
+        received = recorddict_from_proto(proto)
+        for key in arrays:
+            received[key].to_torch_state_dict()
+    return time.perf_counter() - start
+
+
+def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
+    """The same rounds in one process: seconds of client compute, aggregation and
+    (de)serialization (what Flower adds to the round's messages) per round."""
+    if cfg.algorithm.name not in FEDACT_FAMILY:
+        raise ValueError(f"bench_round runs the FedACT family {FEDACT_FAMILY}, not {cfg.algorithm.name!r}")
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.dataset).to(device)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    a = cfg.algorithm
+    optimizer = FedACTAdamW([p for _, p in named], lr=a.lr, betas=tuple(a.betas), eps=a.eps,
+                            weight_decay=a.weight_decay, rho=a.rho, tau=a.tau, alpha=a.alpha, gamma=a.gamma,
+                            trust_scope=a.trust_scope, trust_signal=a.trust_signal,
+                            scale_matched=a.scale_matched)
+    server = ALGORITHMS[a.name].server(a, [name for name, _ in named], num_clients=cfg.num_clients)
+    x = {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
+    data = [load_client_train(cfg, i, cfg.num_clients).to(device) for i in range(cfg.num_clients)]
+    rows = []
+    for server_round in range(1, rounds + 1):
+        lr = cosine_lr(server_round, rounds, a.lr, a.lr_min)
+        broadcast = {key: dict(arrays) for key, arrays in server.broadcast().items()}
+        started = time.perf_counter()
+        updates = []
+        for client in range(cfg.num_clients):
+            model.load_state_dict(x)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.begin_round(
+                **{key: [broadcast[key][name].to(device) for name, _ in named] if key in broadcast else None
+                   for key in ("v_bar", "delta_g")},
+                global_step=(server_round - 1) * cfg.local_steps)
+            batches = BatchStream(data[client], cfg.batch_size, cfg.dataset.augment,
+                                  batch_generator(cfg.seed, server_round, client, device))
+            stats = train_steps(model, optimizer, batches, cfg.local_steps)
+            state = model.state_dict()
+            delta = {name: state[name].detach().cpu() - x[name] for name in x}
+            v = {name: t.detach().cpu().clone() for (name, _), t in zip(named, optimizer.second_moments())}
+            updates.append(ClientUpdate(delta=delta, num_steps=cfg.local_steps, lr_sum=lr * cfg.local_steps,
+                                        num_examples=stats.num_examples, arrays={"v": v}))
+        computed = time.perf_counter()
+        x = server.aggregate(x, updates)
+        aggregated = time.perf_counter()
+        messages = [m for u in updates for m in ({"model": x, **broadcast}, {"delta": u.delta, **u.arrays})]
+        rows.append(dict(round=server_round, compute=computed - started, aggregation=aggregated - computed,
+                         serde=serde_seconds(messages)))
+    return rows
+
+
+def measured(rows: list[dict], rounds: int) -> list[dict]:
+    """Rows of rounds 2 .. rounds - 1 (or the last one when there are fewer than three)."""
+    inner = [r for r in rows if 1 < r["round"] < rounds]
+    return inner or rows[-1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--overrides", default="", help="Hydra overrides for both sides, e.g. 'model=resnet18'")
+    parser.add_argument("--clients", type=int, default=4, help="S: clients, all sampled every round")
+    parser.add_argument("--local-steps", type=int, default=50, help="K")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds 2 .. rounds-1 are measured")
+    parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 1,
+                        help="CPUs per simulated client (default: all, so clients run one at a time as in "
+                             "the plain loop); also the plain loop's torch threads")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per simulated client")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the Flower run")
+    parser.add_argument("--quick", action="store_true", help="2 clients x 5 steps, 2 rounds (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.local_steps, args.rounds = 2, 5, 2
+    torch.set_num_threads(args.num_cpus)
+
+    with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
+        output_dir = Path(tmp).resolve()
+        overrides = round_overrides(args, output_dir)
+        cfg = compose(overrides)
+        plain = measured(plain_rounds(cfg, args.rounds), args.rounds)
+        flower_rows, flower_wall = flower_rounds(overrides, args, output_dir)
+    flower = measured(flower_rows, args.rounds)
+
+    def median(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    compute, aggregation, serde = median(plain, "compute"), median(plain, "aggregation"), median(plain, "serde")
+    flower_round, plain_round = median(flower, "seconds"), compute + aggregation
+    rest = flower_round - compute - aggregation - serde
+    device = resolve_device(cfg.device)
+    print(f"\n{cfg.algorithm.name} on {cfg.dataset.name} / {cfg.model.name}: S={cfg.num_clients} clients x "
+          f"K={cfg.local_steps} steps, batch {cfg.batch_size}, {device} ({args.num_cpus} CPUs per client, "
+          f"{args.num_gpus:g} GPUs); rounds {flower[0]['round']}..{flower[-1]['round']} of {args.rounds} "
+          f"(median); Flower run {flower_wall:.1f} s in all, start-up included")
+    print(f"{'':38} {'s/round':>9} {'share':>7}")
+    print(f"{'Flower simulation round':38} {flower_round:>9.3f} {'100%':>7}")
+    for name, seconds in (("  local compute (plain loop's)", compute),
+                          ("  (de)serialization (measured here)", serde),
+                          ("  aggregation (plain loop's)", aggregation),
+                          ("  idle / overhead (the rest)", rest)):
+        print(f"{name:38} {seconds:>9.3f} {100 * seconds / flower_round:>6.0f}%")
+    print(f"{'plain PyTorch loop round':38} {plain_round:>9.3f}")
+    bytes_round = median(flower, "bytes_sent") + median(flower, "bytes_received") if "bytes_sent" in flower[0] else 0
+    print(f"bytes per round (sent + received): {bytes_round / 2**20:.1f} MiB")
+    print(f"ratio Flower / plain loop: {flower_round / plain_round:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

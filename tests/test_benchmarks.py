@@ -1,0 +1,35 @@
+"""CPU smoke of the benchmark scripts in quick mode: they run and print their tables and ratios.
+Their speed is not checked here (docs/PERFORMANCE.md has the figures and how they were taken)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str, timeout: float) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_optimizer_quick_prints_its_table():
+    out = run_script("bench_optimizer.py", "--quick", "--device", "cpu", timeout=180)
+    assert "cnn_small / digits: 19,466 parameters in 6 tensors; cpu" in out
+    for name in ("AdamW foreach", "FedACT global", "FedACT tensor", "FedAdamW"):
+        assert re.search(rf"^{name} +\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", out, re.M), (name, out)
+    assert re.search(r"^train step .* ratio FedACT global \d+\.\d+$", out, re.M), out
+
+
+@pytest.mark.e2e
+def test_bench_round_quick_prints_the_split_and_the_ratio():
+    out = run_script("bench_round.py", "--quick", timeout=420)
+    for row in ("Flower simulation round", "local compute", "(de)serialization", "aggregation",
+                "idle / overhead", "plain PyTorch loop round"):
+        assert re.search(rf"^ *{re.escape(row)}.* +\d+\.\d+", out, re.M), (row, out)
+    assert re.search(r"^ratio Flower / plain loop: \d+\.\d+$", out, re.M), out
