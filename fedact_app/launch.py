@@ -216,10 +216,10 @@ class _SuperLink:
         """Start on a free loopback port; retry with another port if it dies while starting."""
         errors = []
         for attempt in range(3):
-            port = _free_port()
+            port = free_port()
             log_file = home / f"superlink-{port}.log"
             cmd = [
-                _executable("flower-superlink"),
+                flower_executable("flower-superlink"),
                 "--insecure",
                 "--simulation",
                 "--disable-runtime-dependency-installation",
@@ -295,17 +295,17 @@ class _SuperLink:
         return tuple(sorted(self.seen | {self.pid}))
 
     def _snapshot(self) -> None:
-        self.seen |= _descendants(self.pid)
+        self.seen |= descendants(self.pid)
 
     def _signal_leftovers(self, sig: int) -> bool:
         own_group = os.getpgrp()
         alive = [p for p in self.seen if pid_alive(p)]
         groups = {g for p in alive if (g := _pgid(p)) is not None and g != own_group}
         for pid in alive:  # their children too, before they are re-parented away
-            self.seen |= _descendants(pid)
+            self.seen |= descendants(pid)
         for target in sorted(self.seen):
             if pid_alive(target):
-                _kill(target, sig)
+                kill_quietly(target, sig)
         for group in groups:
             try:
                 os.killpg(group, sig)
@@ -324,7 +324,7 @@ class _Cli:
 
     def call(self, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
         return subprocess.run(  # noqa: S603
-            [_executable("flwr"), *args],
+            [flower_executable("flwr"), *args],
             cwd=self.home,
             env=self.env,
             capture_output=True,
@@ -370,7 +370,7 @@ class _Cli:
     def open_log_stream(self, run_id: int, out: Path) -> subprocess.Popen[bytes]:
         with out.open("wb") as fh:
             return subprocess.Popen(  # noqa: S603
-                [_executable("flwr"), "log", str(run_id), CONNECTION, "--stream"],
+                [flower_executable("flwr"), "log", str(run_id), CONNECTION, "--stream"],
                 cwd=self.home,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -471,7 +471,7 @@ def _write_connection(home: Path, port: int) -> None:
     )
 
 
-def _executable(name: str) -> str:
+def flower_executable(name: str) -> str:
     """The Flower console script from this interpreter's environment, else from PATH."""
     local = Path(sys.executable).parent / name
     if local.is_file() and os.access(local, os.X_OK):
@@ -482,9 +482,10 @@ def _executable(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -542,14 +543,15 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def _kill(pid: int, sig: int) -> None:
+def kill_quietly(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid``, ignoring processes that are gone or not ours."""
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _descendants(root: int) -> set[int]:
+def descendants(root: int) -> set[int]:
     """All current descendants of ``root`` (Linux /proc; empty elsewhere)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else ():

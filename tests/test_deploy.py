@@ -332,7 +332,7 @@ def test_cluster_status_and_down_stop_every_process(deployment):
     cluster = dep.cluster
     tree = {p.pid for p in cluster.procs}
     for proc in cluster.procs:
-        tree |= lc._descendants(proc.pid)
+        tree |= lc.descendants(proc.pid)
     assert len(tree) >= 5  # SuperLink + its SuperExec, 2 SuperNodes + their SuperExecs
     lc.down(cluster, quiet=True)
     deadline = time.monotonic() + 15

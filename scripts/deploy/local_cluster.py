@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -53,6 +52,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fedact_app.launch import LaunchError, descendants, flower_executable, free_port, kill_quietly
 
 HERE = Path(__file__).resolve().parent
 CONNECTION = "fedact-local"
@@ -197,9 +198,9 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
     extra += ["--database", database] if database else []
     cluster = None
     for attempt in range(1, PORT_ATTEMPTS + 1):  # a free port can be taken before we bind it
-        link_port = port or _free_port()
+        link_port = port or free_port(HOST)
         link_cmd = [
-            _executable("flower-superlink"),
+            flower_executable("flower-superlink"),
             "--ssl-ca-certfile", str(certs / "ca.crt"),
             "--ssl-certfile", str(certs / "server.pem"),
             "--ssl-keyfile", str(certs / "server.key"),
@@ -267,9 +268,9 @@ def start_supernode(cluster: Cluster, name: str, private_key: Path | None, node_
                     env: dict[str, str], cwd: Path, port: int = 0) -> Proc:
     """Start one ``flower-supernode`` against the cluster's SuperLink (TLS; authenticated when
     ``private_key`` is given). It is not added to ``cluster.nodes``: the caller decides."""
-    port = port or _free_port()
+    port = port or free_port(HOST)
     cmd = [
-        _executable("flower-supernode"),
+        flower_executable("flower-supernode"),
         "--superlink", f"{HOST}:{cluster.port}",
         "--root-certificates", str(cluster.root / "certs" / "ca.crt"),
         "--host", HOST,
@@ -411,7 +412,7 @@ def wait_run(cluster: Cluster, run_id: str, timeout: float = 600.0, poll: float 
     def follow() -> subprocess.Popen[bytes]:
         with log_path.open("wb") as out:  # a new stream replays the log from its start
             return subprocess.Popen(  # noqa: S603
-                [_executable("flwr"), "log", run_id, cluster.connection, "--stream"],
+                [flower_executable("flwr"), "log", run_id, cluster.connection, "--stream"],
                 cwd=cluster.flwr_home, env=cluster.env(), stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT)
 
@@ -467,24 +468,24 @@ def down(cluster: Cluster | str | Path, *, quiet: bool = False, grace: float = S
     tree: dict[int, int | None] = {}  # pid -> start time (None: unknown)
     node_tree: dict[int, int | None] = {}
     for proc in roots:
-        sub = {proc.pid: proc.start_time, **{pid: _start_time(pid) for pid in _descendants(proc.pid)}}
+        sub = {proc.pid: proc.start_time, **{pid: _start_time(pid) for pid in descendants(proc.pid)}}
         tree.update(sub)
         if proc is not cluster.superlink:
             node_tree.update(sub)
             _killpg(proc.pid, signal.SIGTERM)
     _wait_gone(node_tree, time.monotonic() + grace)
     if cluster.superlink in roots:
-        _kill(cluster.superlink.pid, signal.SIGTERM)
+        kill_quietly(cluster.superlink.pid, signal.SIGTERM)
     _wait_gone(tree, time.monotonic() + grace)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         left = [pid for pid, start in tree.items() if _same_process(pid, start)]
         if not left:
             break
         for pid in left:  # newly spawned children of what is left
-            tree.update({c: _start_time(c) for c in _descendants(pid) if c not in tree})
+            tree.update({c: _start_time(c) for c in descendants(pid) if c not in tree})
         for pid, start in tree.items():
             if _same_process(pid, start):
-                _kill(pid, sig)
+                kill_quietly(pid, sig)
         _wait_gone(tree, time.monotonic() + grace)
     for pid in tree:  # reap our own children (no zombies left in a long-lived caller)
         if pid in _POPENS and _POPENS[pid].poll() is not None:
@@ -540,25 +541,9 @@ def _script(name: str, *args: str) -> None:
 def _flwr(home: Path, args: tuple[str, ...] | list[str], timeout: float,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(  # noqa: S603
-        [_executable("flwr"), *args], cwd=home, capture_output=True, text=True,
+        [flower_executable("flwr"), *args], cwd=home, capture_output=True, text=True,
         env={**os.environ, **BASE_ENV, **(env or {}), "FLWR_HOME": str(home)},
         timeout=timeout, check=False)
-
-
-def _executable(name: str) -> str:
-    local = Path(sys.executable).parent / name
-    if local.is_file() and os.access(local, os.X_OK):
-        return str(local)
-    found = shutil.which(name)
-    if found is None:
-        raise ClusterError(f"`{name}` not found next to {sys.executable} or on PATH (pip install flwr)")
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _json_payload(stdout: str) -> dict[str, Any]:
@@ -637,32 +622,7 @@ def _killpg(leader: int, sig: int) -> None:
             return
     except (ProcessLookupError, PermissionError):
         return
-    _kill(leader, sig)
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else ():
-        try:
-            ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
+    kill_quietly(leader, sig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -743,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         print(log)
         print(f"run {run_id}: {state}" + (f" ({details})" if details not in ("", "N/A") else ""))
         return 0 if state == "finished:completed" else 1
-    except ClusterError as err:
+    except (ClusterError, LaunchError) as err:
         print(f"local_cluster: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
