@@ -53,7 +53,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedact_app.launch import LaunchError, descendants, flower_executable, free_port, kill_quietly
+from fedact_app.launch import (LaunchError, descendants, flower_executable, free_port, kill_quietly,
+                               pid_alive)
 
 HERE = Path(__file__).resolve().parent
 CONNECTION = "fedact-local"
@@ -603,13 +604,7 @@ def _start_time(pid: int) -> int | None:
 def _same_process(pid: int, start_time: int | None) -> bool:
     """``pid`` is alive (not a zombie) and, where known, started at ``start_time``."""
     if not Path("/proc").is_dir():  # no /proc: fall back to "some process has this pid"
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(pid)
     now = _start_time(pid)
     return now is not None and (start_time is None or start_time < 0 or now == start_time)
 
