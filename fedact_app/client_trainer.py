@@ -24,7 +24,8 @@ from fedact_app.config import Config, PartitionConfig, compose
 from fedact_app.data import (BatchStream, ImageTensors, batch_generator, load_client_train, load_test,
                              partition_indices, test_batches)
 from fedact_app.models import build_model
-from fedact_app.train import EvalStats, evaluate, resolve_device, train_steps
+from fedact_app.train import EvalStats, evaluate, memory_format, resolve_device, train_steps
+from fedact_app.wire import from_wire
 
 
 @dataclass
@@ -47,7 +48,8 @@ class ClientTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.model = build_model(cfg.model, cfg.dataset).to(self.device)
+        self.model = build_model(cfg.model, cfg.dataset).to(self.device,
+                                                             memory_format=memory_format(cfg.channels_last))
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.rule = ALGORITHMS[cfg.algorithm.name].local(cfg.algorithm)
         self.optimizer = self.rule.make_optimizer(self.named_params)
@@ -71,12 +73,14 @@ class ClientTrainer:
         self.load_global(state)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        received = {key: from_wire(arrays, self.cfg.wire_dtype) for key, arrays in received.items()}
         inputs = RoundInputs(received, client_state or {}, global_step)
         self.rule.begin_round(self.optimizer, self.named_params, inputs.to(self.device))
         generator = batch_generator(self.cfg.seed, server_round, partition_id, self.device)
         batches = BatchStream(self.train_data(partition_id, num_partitions), self.cfg.batch_size,
                               self.cfg.dataset.augment, generator)
-        stats = train_steps(self.model, self.optimizer, batches, local_steps)
+        stats = train_steps(self.model, self.optimizer, batches, local_steps, self.cfg.precision,
+                            self.cfg.channels_last)
         new_state = self.model.state_dict()
         delta = {name: new_state[name].detach().cpu() - state[name] for name in state}
         lr_sum = lr * local_steps
@@ -93,7 +97,8 @@ class ClientTrainer:
                                     self.cfg.seed)[partition_id]
         index = torch.as_tensor(indices, dtype=torch.long)
         local = ImageTensors(test.images[index], test.labels[index]).to(self.device)
-        return evaluate(self.model, test_batches(local, self.cfg.eval_batch_size))
+        return evaluate(self.model, test_batches(local, self.cfg.eval_batch_size), self.cfg.precision,
+                        self.cfg.channels_last)
 
 
 @functools.lru_cache(maxsize=2)

@@ -25,6 +25,8 @@ DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "tiny_imagenet", "fash
 MODELS = ("cnn_small", "vit_tiny", "swin_lite", "resnet18")
 PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cuda", "cpu")
+PRECISIONS = ("fp32", "bf16")
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHTINGS = ("uniform", "examples")
 
 
@@ -126,6 +128,7 @@ class AlgorithmConfig:
     server_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # FedAdam server Adam
     server_eps: float = 1e-3  # FedAdam adaptivity tau (Reddi et al. 2021)
     weighting: str = "uniform"
+    compile: bool = False  # FedACT family: torch.compile the optimizer's fused passes (optim.py)
 
     def __post_init__(self) -> None:
         from fedact_app.algorithms import ALGORITHMS  # registry of method names
@@ -189,6 +192,9 @@ class Config:
     batch_size: int = 32
     seed: int = 42
     device: str = "auto"
+    precision: str = "fp32"  # bf16: forward/backward under torch.autocast(bfloat16); weights stay fp32
+    channels_last: bool = False  # CNNs: model and batches in channels_last memory format
+    wire_dtype: str = "float32"  # dtype of the server's broadcast arrays (v_bar, Delta_G, c) on the wire
     eval_every: int = 1  # centralized test-set evaluation every n rounds (and at the last)
     eval_batch_size: int = 500
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
@@ -206,6 +212,8 @@ class Config:
                  f"<= num_clients ({self.num_clients})")
         _require(self.round_timeout > 0, "round_timeout", self.round_timeout, "> 0")
         _require_choice("device", self.device, DEVICES)
+        _require_choice("precision", self.precision, PRECISIONS)
+        _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
 
 
 ConfigStore.instance().store(name="schema", node=Config)

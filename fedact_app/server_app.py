@@ -17,7 +17,7 @@ from fedact_app.data import load_test, test_batches
 from fedact_app.models import build_model
 from fedact_app.results import RunRecorder, create_run_dir
 from fedact_app.strategy import AlgorithmStrategy
-from fedact_app.train import cosine_lr, evaluate, resolve_device
+from fedact_app.train import cosine_lr, evaluate, memory_format, resolve_device
 
 app = ServerApp()
 
@@ -28,7 +28,7 @@ class CentralEvaluator:
     def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.model = model.to(self.device)
+        self.model = model.to(self.device, memory_format=memory_format(cfg.channels_last))
         self.test = load_test(cfg).to(self.device)
 
     def __call__(self, server_round: int, state: TensorDict) -> dict | None:
@@ -36,7 +36,8 @@ class CentralEvaluator:
         if not due:
             return None
         self.model.load_state_dict(state)
-        stats = evaluate(self.model, test_batches(self.test, self.cfg.eval_batch_size))
+        stats = evaluate(self.model, test_batches(self.test, self.cfg.eval_batch_size), self.cfg.precision,
+                         self.cfg.channels_last)
         return {"test_loss": stats.loss, "test_accuracy": stats.accuracy}
 
 
@@ -66,7 +67,7 @@ def main(grid: Grid, context: Context) -> None:
         lr_schedule=lambda r: cosine_lr(r, cfg.num_rounds, algorithm.lr, algorithm.lr_min),
         fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
         fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed, expected_nodes=cfg.num_clients,
-        max_empty_rounds=cfg.max_empty_rounds)
+        max_empty_rounds=cfg.max_empty_rounds, wire_dtype=cfg.wire_dtype)
     final_state = strategy.start(grid, initial_state, cfg.num_rounds, cfg.round_timeout,
                                  evaluate_fn=evaluator, on_round_end=recorder.record_round)
     recorder.finish(final_state)

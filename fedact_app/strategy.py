@@ -6,6 +6,8 @@ Each round it samples nodes, sends every sampled node one ``RecordDict``::
     <key>:    ArrayRecord   the server rule's broadcast arrays (FedACT: "v_bar", "delta_g")
     "config": ConfigRecord  server-round, local-steps, lr, global-step
 
+(the broadcast arrays in ``wire_dtype``: float32 by default, bfloat16/float16 halve their bytes)
+
 and expects back::
 
     "delta":   ArrayRecord  x_i^{r,K} - x^r
@@ -31,6 +33,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
+from fedact_app.wire import to_wire
 
 
 ALL_NODES_WAIT = 30.0  # seconds the first round waits for every expected node to register
@@ -85,7 +88,7 @@ class AlgorithmStrategy(Strategy):
                  local_steps: int, lr_schedule: Callable[[int], float], fraction_train: float,
                  min_train_nodes: int, fraction_evaluate: float = 0.0, seed: int = 42,
                  expected_nodes: int = 0, max_empty_rounds: int = 3,
-                 node_wait_timeout: float = 300.0) -> None:
+                 node_wait_timeout: float = 300.0, wire_dtype: str = "float32") -> None:
         self.rule = rule
         self.trainable = list(trainable)
         self.local_steps = local_steps
@@ -96,6 +99,7 @@ class AlgorithmStrategy(Strategy):
         self.node_wait_timeout = node_wait_timeout
         self.expected_nodes = expected_nodes
         self.max_empty_rounds = max_empty_rounds
+        self.wire_dtype = wire_dtype
         self._first_sample = True
         self.rng = random.Random(seed)
         self.state: TensorDict = {}
@@ -136,7 +140,7 @@ class AlgorithmStrategy(Strategy):
                                "global-step": (server_round - 1) * self.local_steps})
         content = RecordDict({"model": arrays, "config": config})
         for key, tensors in self.rule.broadcast().items():
-            content[key] = ArrayRecord(tensors)
+            content[key] = ArrayRecord(to_wire(tensors, self.wire_dtype))
         nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
         self.bytes_sent = record_bytes(content) * len(nodes)

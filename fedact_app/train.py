@@ -23,6 +23,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def autocast(device: torch.device, precision: str):
+    """``torch.autocast`` with bfloat16 for ``precision=bf16`` (forward and loss; the weights, the
+    gradients and the optimizer state stay float32), a no-op context for ``fp32``."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def memory_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
 def cosine_lr(server_round: int, num_rounds: int, lr: float, lr_min: float) -> float:
     """eta_r = lr_min + (lr - lr_min) * (1 + cos(pi (r - 1) / R)) / 2, constant within round r."""
     return lr_min + (lr - lr_min) * 0.5 * (1.0 + math.cos(math.pi * (server_round - 1) / num_rounds))
@@ -34,17 +44,22 @@ class TrainStats:
     num_examples: int  # examples processed (steps x batch)
 
 
-def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int) -> TrainStats:
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int,
+                precision: str = "fp32", channels_last: bool = False) -> TrainStats:
     """Run ``steps`` optimizer steps on batches drawn from ``batches.next_batch()``.
 
     The loss is summed on the device and read once at the end (no host sync per step).
+    ``precision``/``channels_last``: see :func:`autocast` and ``Config.channels_last``.
     """
     model.train()
     loss_sum = None
     num_examples = 0
+    device = next(model.parameters()).device
+    layout = memory_format(channels_last)
     for _ in range(steps):
         images, labels = batches.next_batch()
-        loss = F.cross_entropy(model(images), labels)
+        with autocast(device, precision):
+            loss = F.cross_entropy(model(images.contiguous(memory_format=layout)), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -61,12 +76,16 @@ class EvalStats:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]]) -> EvalStats:
+def evaluate(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], precision: str = "fp32",
+             channels_last: bool = False) -> EvalStats:
     """Mean cross-entropy and accuracy over all batches."""
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
+    device = next(model.parameters()).device
+    layout = memory_format(channels_last)
     for images, labels in batches:
-        logits = model(images)
+        with autocast(device, precision):
+            logits = model(images.contiguous(memory_format=layout)).float()
         loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
         correct += int((logits.argmax(dim=1) == labels).sum())
         count += labels.shape[0]

@@ -20,7 +20,9 @@ PARALLEL_RUNS = 3
 SHORT = "num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=10"
 LEARNS = ("algorithm=fedact num_rounds=3 num_clients=3 fraction_train=1.0 min_train_nodes=3 "
           "local_steps=15 algorithm.lr=3e-3")
-JOBS = {**{name: (f"algorithm={name} {SHORT}", 2) for name in ALGORITHMS}, "fedact-learns": (LEARNS, 3)}
+FAST_OPTIONS = "wire_dtype=bfloat16 precision=bf16 channels_last=true"
+JOBS = {**{name: (f"algorithm={name} {SHORT}", 2) for name in ALGORITHMS}, "fedact-learns": (LEARNS, 3),
+        "fedact-fast-options": (f"algorithm=fedact {SHORT} {FAST_OPTIONS}", 2)}
 
 
 def run_dir(output: Path) -> Path:
@@ -29,15 +31,18 @@ def run_dir(output: Path) -> Path:
 
 
 def job_name(item) -> str:
-    """The JOBS key a test of this module checks: its ``algorithm`` parameter, or the learning run."""
+    """The JOBS key a test of this module checks: its ``algorithm`` parameter, or its ``JOB`` mark."""
     callspec = getattr(item, "callspec", None)
-    return callspec.params["algorithm"] if callspec and "algorithm" in callspec.params else "fedact-learns"
+    if callspec and "algorithm" in callspec.params:
+        return callspec.params["algorithm"]
+    return item.get_closest_marker("job").args[0]
 
 
 def selected_jobs(session) -> set[str]:
-    """The JOBS keys of the tests of this module that pytest selected."""
-    return {job_name(item) for item in session.items
-            if item.module.__name__ == __name__ and "job" in getattr(item, "fixturenames", ())}
+    """The JOBS keys of the tests of this module that pytest selected (a test may read two)."""
+    return {name for item in session.items
+            if item.module.__name__ == __name__ and "job" in getattr(item, "fixturenames", ())
+            for name in (job_name(item), *(m.args[0] for m in item.iter_markers("also_job")))}
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +94,33 @@ def test_every_method_completes_a_digits_run(algorithm, job, record_property):
 
 
 @pytest.mark.e2e
+@pytest.mark.job("fedact-learns")
 def test_fedact_run_learns(job):
     _, rows = job
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     assert all(r["clients"] == 3 and r["rejected"] == 0 for r in rows[1:])
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.2  # 10 classes: chance 0.1
+
+
+@pytest.mark.e2e
+@pytest.mark.job("fedact-fast-options")
+@pytest.mark.also_job("fedact")
+def test_bf16_wire_autocast_and_channels_last_run(job, runs):
+    """The speed options through real Flower: v_bar and Delta_G travel in 2 bytes per value (round 2
+    is the first with them), bf16 autocast and channels_last train, nothing is rejected."""
+    from fedact_app.config import compose
+    from fedact_app.models import build_model
+
+    _, rows = job
+    fp32_rows = [json.loads(line) for line in (run_dir(runs["fedact"][0]) / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["clients"] == 2 and r["rejected"] == 0 for r in rows[1:])
+    assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["test_loss"]) for r in rows[1:])
+    cfg = compose("")
+    trainable = sum(p.numel() for p in build_model(cfg.model, cfg.dataset).parameters() if p.requires_grad)
+    saved = fp32_rows[2]["bytes_sent"] - rows[2]["bytes_sent"]
+    expected = 2 * 2 * 2 * trainable  # 2 nodes x (v_bar, Delta_G) x 2 bytes saved per value
+    assert abs(saved - expected) < 1024, (saved, expected)
+    assert fp32_rows[1]["bytes_sent"] == rows[1]["bytes_sent"]  # round 1: the model only
 
 
 @pytest.mark.e2e
