@@ -18,10 +18,10 @@ crash never leaves a torn checkpoint; the oldest ones beyond ``keep_checkpoints`
 Clients keep state across rounds in Flower's ``Context.state``, which a new Flower run starts
 empty. So that a resumed simulation continues exactly, a client that keeps state also writes it to
 ``<run folder>/client_state/<pid>.safetensors`` (the server names the folder in the round config,
-``client-state-dir``); the server copies those files into each checkpoint, and in a resumed run
-tells clients the checkpoint (``resume-checkpoint``) to load their state from when their
-``Context.state`` is empty. Both need a filesystem shared by server and clients (simulation);
-docs/DEPLOY.md says what happens on SuperNodes.
+``client-state-dir``; a client writes only where the server's run folder exists, i.e. on a
+filesystem it shares with the server, as in simulation); the server copies those files into each
+checkpoint, and in a resumed run tells clients the checkpoint (``resume-checkpoint``) to load their
+state from when their ``Context.state`` is empty. docs/DEPLOY.md says what happens on SuperNodes.
 """
 
 from __future__ import annotations
@@ -243,11 +243,12 @@ class Checkpointer:
 
 
 def persist_client_state(config: Mapping, partition_id: int, client_state: dict[str, TensorDict]) -> None:
-    """Write a client's kept state to the folder the server named (``client-state-dir``), if any."""
+    """Write a client's kept state to the folder the server named (``client-state-dir``) when the
+    server's run folder is visible here (a shared filesystem, as in simulation); else do nothing."""
     folder = config.get(CLIENT_STATE_DIR_KEY)
-    if not folder or not client_state:
+    if not folder or not client_state or not Path(folder).parent.is_dir():
         return
-    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder).mkdir(exist_ok=True)
     tensors = {f"{key}/{n}": t for key, arrays in client_state.items() for n, t in arrays.items()}
     save_tensors(Path(folder) / f"{partition_id}.safetensors", tensors)
 

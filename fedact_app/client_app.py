@@ -133,7 +133,8 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
-                                     "lr-sum": update.lr_sum, "train-loss": result.loss})
+                                     "lr-sum": update.lr_sum, "train-loss": result.loss,
+                                     "partition-id": partition_id})
     return reply
 
 

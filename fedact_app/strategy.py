@@ -10,7 +10,7 @@ and expects back::
 
     "delta":   ArrayRecord  x_i^{r,K} - x^r
     <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
-    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss
+    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, partition-id
 
 The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
 no method state of its own. Replies that are errors or do not match the model are rejected
@@ -164,7 +164,7 @@ class AlgorithmStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        updates, losses, bytes_received, rejected, failed, received = [], [], 0, 0, 0, 0
+        updates, losses, order, bytes_received, rejected, failed, received = [], [], [], 0, 0, 0, 0
         for msg in replies:
             received += 1
             node = msg.metadata.src_node_id
@@ -183,6 +183,7 @@ class AlgorithmStrategy(Strategy):
                 continue
             losses.append((float(msg.content["metrics"].get("train-loss", float("nan"))),
                            updates[-1].num_examples))
+            order.append((float(msg.content["metrics"].get("partition-id", -1)), node))
         missing = max(self.messages_sent - received, 0)
         if missing:
             log(WARNING, "round %d: %d of %d sampled nodes sent no reply (timeout or gone)",
@@ -194,6 +195,10 @@ class AlgorithmStrategy(Strategy):
         if not updates:
             log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
             return None, MetricRecord(metrics)
+        # Sums of floats depend on their order and replies arrive in any order: aggregate in a
+        # fixed one (the client's partition id, then node id), so a run repeats bit for bit.
+        ranked = sorted(range(len(updates)), key=order.__getitem__)
+        updates, losses = [updates[i] for i in ranked], [losses[i] for i in ranked]
         self.state = self.rule.aggregate(self.state, updates)
         total = sum(n for _, n in losses)
         metrics["train_loss"] = sum(loss * n for loss, n in losses) / total

@@ -199,3 +199,24 @@ def test_negative_second_moment_is_rejected_only_where_declared():
     assert ALGORITHMS["fedact"].server.nonnegative_keys == ("v",)
     assert ALGORITHMS["fedlada"].server.nonnegative_keys == ("v",)
     assert ALGORITHMS["scaffold"].server.nonnegative_keys == ()  # Delta c_i has any sign
+
+
+def test_aggregation_does_not_depend_on_the_order_replies_arrive_in():
+    """Float sums depend on order; replies are aggregated by partition id, so any arrival order
+    gives the same bits (what makes a resumed run equal a straight one)."""
+    contents = []
+    for pid in range(3):
+        content = good_content(scale=1.0 + pid / 7)
+        content["v"] = ArrayRecord({"w": torch.rand(2, 3), "b": torch.rand(2)})
+        content["metrics"] = MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": LR_SUM / 3 * (pid + 1),
+                                           "train-loss": 1.0, "partition-id": pid})
+        contents.append(content)
+    results = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        strategy = fedact_strategy()
+        strategy.messages_sent = 3
+        strategy.aggregate_train(1, [reply(10 + i, contents[i]) for i in order])
+        results.append((strategy.state, strategy.rule.state_dict()))
+    for state, rule in results[1:]:
+        assert all(torch.equal(state[n], results[0][0][n]) for n in STATE)
+        assert all(torch.equal(rule[k][n], results[0][1][k][n]) for k in rule for n in TRAINABLE)
