@@ -279,6 +279,8 @@ class ServerRule(ABC):
     """Server side of a method: its state between rounds and its aggregation."""
 
     reply_keys: tuple[str, ...] = ()  # method-specific array dicts every reply must carry
+    nonnegative_keys: tuple[str, ...] = ()  # reply arrays that must be >= 0 (second moments)
+    state_keys: tuple[str, ...] = ()  # attributes holding the state kept between rounds (None at first)
 
     def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
         self.server_lr = cfg.server_lr
@@ -293,6 +295,22 @@ class ServerRule(ABC):
     @abstractmethod
     def aggregate(self, x: TensorDict, updates: Sequence[ClientUpdate]) -> TensorDict:
         """The next global model state from the current one and the round's updates."""
+
+    def state_dict(self) -> dict[str, TensorDict]:
+        """The state kept between rounds (what a checkpoint saves); entries not yet set are absent."""
+        return {key: dict(getattr(self, key)) for key in self.state_keys if getattr(self, key) is not None}
+
+    def load_state_dict(self, state: dict[str, TensorDict]) -> None:
+        """Restore ``state_dict()``'s output; every entry must cover exactly the trainable parameters."""
+        unknown = set(state) - set(self.state_keys)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} keeps {list(self.state_keys)}, not {sorted(unknown)}")
+        for key, arrays in state.items():
+            if set(arrays) != set(self.trainable):
+                raise ValueError(f"{type(self).__name__} state {key!r} does not cover the trainable "
+                                 f"parameters (e.g. {sorted(set(arrays) ^ set(self.trainable))[:3]})")
+        for key in self.state_keys:
+            setattr(self, key, {n: t.clone() for n, t in state[key].items()} if key in state else None)
 
 
 class MeanServer(ServerRule):
@@ -309,6 +327,7 @@ class ScaffoldServer(MeanServer):
     N the number of all clients. Broadcasts c (``"c"``; absent, i.e. zero, before round 1)."""
 
     reply_keys = ("delta_c",)
+    state_keys = ("c",)
 
     def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
         super().__init__(cfg, trainable, num_clients)
@@ -336,6 +355,8 @@ class FedAdamServer(ServerRule):
     m = b1 m + (1-b1) d;  v = b2 v + (1-b2) d^2;  x = x + server_lr * m / (sqrt(v) + server_eps),
     from m_{-1} = 0 and v_{-1} = server_eps^2 (the paper asks v_{-1} >= tau^2), without bias
     correction (the paper has none; Flower's FedAdam adds one). m and v persist across rounds."""
+
+    state_keys = ("m", "v")
 
     def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
         super().__init__(cfg, trainable, num_clients)
@@ -365,6 +386,8 @@ class FedACTServer(MeanServer):
     docstring), also FedLADA's: its offset g_a is Delta_G and its v is the mean of the clients' v_hat."""
 
     reply_keys = ("v",)
+    nonnegative_keys = ("v",)
+    state_keys = ("v_bar", "delta_g")
 
     def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
         super().__init__(cfg, trainable, num_clients)

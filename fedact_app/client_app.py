@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 import os
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedact_app.algorithms import TensorDict
+from fedact_app.checkpoint import persist_client_state, restored_client_state
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import Config, compose
 
@@ -93,24 +94,47 @@ def save_client_state(context: Context, client_state: dict[str, TensorDict]) -> 
         context.state[CLIENT_STATE_PREFIX + key] = ArrayRecord(arrays)
 
 
+class InjectedFault(RuntimeError):
+    """The failure ``debug.fail_partitions``/``debug.fail_rounds`` asks for (tests of failure handling)."""
+
+
+def inject_fault(cfg: Config, partition_id: int, server_round: int) -> None:
+    debug = cfg.debug
+    if partition_id in debug.fail_partitions and server_round in debug.fail_rounds:
+        raise InjectedFault(f"partition {partition_id} fails in round {server_round} as configured "
+                            f"(debug.fail_partitions={debug.fail_partitions}, "
+                            f"debug.fail_rounds={debug.fail_rounds})")
+
+
+def kept_state(context: Context, config: ConfigRecord, partition_id: int) -> dict[str, TensorDict]:
+    """The client's kept arrays: from ``Context.state``, or, when that is empty in a resumed run,
+    from the checkpoint the server resumed from (fedact_app.checkpoint)."""
+    own_data = DATA_PATH_KEY in context.node_config  # its partition id is not unique: nothing persisted
+    return load_client_state(context) or ({} if own_data else restored_client_state(config, partition_id))
+
+
 def train_content(content: RecordDict, context: Context) -> RecordDict:
     """The train handler's work on plain records: one local round, the reply's records."""
     trainer, partition_id, num_partitions = node_trainer(context)
     config = content["config"]
+    inject_fault(trainer.cfg, partition_id, int(config["server-round"]))
     received = {key: record.to_torch_state_dict()
                 for key, record in content.array_records.items() if key != "model"}
     result = trainer.train_round(
         content["model"].to_torch_state_dict(), received, partition_id=partition_id,
         num_partitions=num_partitions, server_round=int(config["server-round"]),
         lr=float(config["lr"]), local_steps=int(config["local-steps"]),
-        global_step=int(config["global-step"]), client_state=load_client_state(context))
+        global_step=int(config["global-step"]), client_state=kept_state(context, config, partition_id))
     save_client_state(context, result.client_state)
+    if DATA_PATH_KEY not in context.node_config:
+        persist_client_state(config, partition_id, result.client_state)
     update = result.update
     reply = RecordDict({"delta": ArrayRecord(update.delta)})
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
-                                     "lr-sum": update.lr_sum, "train-loss": result.loss})
+                                     "lr-sum": update.lr_sum, "train-loss": result.loss,
+                                     "partition-id": partition_id})
     return reply
 
 

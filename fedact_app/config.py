@@ -176,6 +176,15 @@ class AlgorithmConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Fault injection for testing failure handling (off by default): the ClientApp of every
+    partition in ``fail_partitions`` raises ``InjectedFault`` in each round of ``fail_rounds``."""
+
+    fail_partitions: list[int] = field(default_factory=list)
+    fail_rounds: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     """A whole run (``conf/config.yaml`` plus the groups)."""
 
@@ -183,6 +192,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     num_rounds: int = 5
     num_clients: int = 10
     fraction_train: float = 0.5
@@ -199,6 +209,10 @@ class Config:
     eval_batch_size: int = 500
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
     max_empty_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
+    max_update_norm: Optional[float] = None  # reject replies whose delta's L2 norm exceeds it; null = off
+    checkpoint_every: int = 0  # write a checkpoint every n rounds; 0 = only after the last round
+    keep_checkpoints: int = 2  # the newest checkpoints kept in <run folder>/checkpoints
+    resume: Optional[str] = None  # continue from a checkpoint file, or a run folder's newest one
     output_dir: str = "outputs"
     data_dir: Optional[str] = None  # Hugging Face datasets cache; default: HF_DATASETS_CACHE
 
@@ -214,6 +228,20 @@ class Config:
         _require_choice("device", self.device, DEVICES)
         _require_choice("precision", self.precision, PRECISIONS)
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        _require(self.max_update_norm is None or self.max_update_norm > 0, "max_update_norm",
+                 self.max_update_norm, "> 0, or null (no bound)")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
+                 ">= 0 (0 = only at the end)")
+        _require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, ">= 1")
+        _require(self.resume is None or self.resume.strip() != "", "resume", self.resume,
+                 "a checkpoint file or run folder, or null")
+        debug = self.debug
+        _require(all(0 <= p < self.num_clients for p in debug.fail_partitions), "debug.fail_partitions",
+                 debug.fail_partitions, f"partition ids in [0, num_clients={self.num_clients})")
+        _require(all(1 <= r <= self.num_rounds for r in debug.fail_rounds), "debug.fail_rounds",
+                 debug.fail_rounds, f"rounds in [1, num_rounds={self.num_rounds}]")
+        _require(bool(debug.fail_partitions) == bool(debug.fail_rounds), "debug.fail_rounds",
+                 debug.fail_rounds, "non-empty exactly when debug.fail_partitions is")
 
 
 ConfigStore.instance().store(name="schema", node=Config)

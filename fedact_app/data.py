@@ -466,6 +466,11 @@ def load_client_train(cfg: Config, partition_id: int, num_partitions: int) -> Im
     )
 
 
+def train_labels(cfg: Config) -> np.ndarray:
+    """The training split's labels (read-only), as the partitioner sees them, cached per process."""
+    return _splits_cached(_dataset_key(cfg.dataset), _resolve(cfg.data_dir), int(cfg.seed))[2]
+
+
 def load_test(cfg: Config) -> ImageTensors:
     """The whole test split, decoded, cached per process."""
     return _test_cached(_dataset_key(cfg.dataset), _resolve(cfg.data_dir), int(cfg.seed))

@@ -6,6 +6,11 @@ Layout of ``<output_dir>/<run name>/``::
     metrics.jsonl    one JSON object per round (round 0 = the initial model)
     summary.json     final and best test accuracy, rounds, wall time
     model.safetensors  the final global model state
+    checkpoints/     round-<r>.safetensors, the newest keep_checkpoints (fedact_app.checkpoint)
+    client_state/    <partition>.safetensors, state clients keep across rounds (SCAFFOLD c_i)
+
+A resumed run (``resume=...``) gets a new folder whose metrics.jsonl starts with the rows of the
+run it continues.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import math
 import time
 from datetime import datetime
 from logging import INFO
+from collections.abc import Sequence
 from pathlib import Path
 
 from flwr.common import log
@@ -58,19 +64,23 @@ def _format_row(row: dict, num_rounds: int, elapsed: float) -> str:
             parts.append(f"elapsed {elapsed:.0f} s, eta {eta:.0f} s")
     if row.get("rejected"):
         parts.append(f"rejected {row['rejected']}")
+    if row.get("missing"):
+        parts.append(f"no reply {row['missing']}")
     return " | ".join(parts)
 
 
 class RunRecorder:
     """Writes one run's folder; ``record_round`` is called once per round by the strategy loop."""
 
-    def __init__(self, run_dir: Path, cfg: Config) -> None:
+    def __init__(self, run_dir: Path, cfg: Config, earlier_rows: Sequence[dict] = ()) -> None:
+        """``earlier_rows``: the rows of the run this one resumes (fedact_app.checkpoint), written first."""
         self.run_dir = run_dir
         self.num_rounds = cfg.num_rounds
-        self.rows: list[dict] = []
+        self.rows: list[dict] = list(earlier_rows)
         self.started = time.perf_counter()
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
         log(INFO, "FedACT run folder: %s", run_dir)
 
     def record_round(self, row: dict) -> None:

@@ -12,8 +12,10 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedact_app.algorithms import ALGORITHMS, TensorDict
+from fedact_app.checkpoint import Checkpointer, client_round_config, open_resume, restore, snapshot
 from fedact_app.config import Config, compose
-from fedact_app.data import load_test, test_batches
+from fedact_app.data import load_test, test_batches, train_labels
+from fedact_app.preflight import check_partitions
 from fedact_app.models import build_model
 from fedact_app.results import RunRecorder, create_run_dir
 from fedact_app.strategy import AlgorithmStrategy
@@ -50,6 +52,8 @@ def seed_everything(seed: int) -> None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = compose(str(context.run_config.get("overrides", "")))
+    resume = open_resume(cfg)
+    check_partitions(cfg, train_labels(cfg))
     seed_everything(cfg.seed)
     model = build_model(cfg.model, cfg.dataset)
     initial_state = {name: t.detach().clone() for name, t in model.state_dict().items()}
@@ -58,7 +62,8 @@ def main(grid: Grid, context: Context) -> None:
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
 
     evaluator = CentralEvaluator(cfg, model)
-    recorder = RunRecorder(create_run_dir(cfg), cfg)
+    recorder = RunRecorder(create_run_dir(cfg), cfg, earlier_rows=resume[1].rows if resume else ())
+    checkpointer = Checkpointer(recorder.run_dir, cfg, resume[1].clients if resume else None)
     algorithm = cfg.algorithm
     strategy = AlgorithmStrategy(
         ALGORITHMS[algorithm.name].server(algorithm, trainable, num_clients=cfg.num_clients),
@@ -67,7 +72,20 @@ def main(grid: Grid, context: Context) -> None:
         lr_schedule=lambda r: cosine_lr(r, cfg.num_rounds, algorithm.lr, algorithm.lr_min),
         fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
         fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed, expected_nodes=cfg.num_clients,
-        max_empty_rounds=cfg.max_empty_rounds, wire_dtype=cfg.wire_dtype)
+        max_empty_rounds=cfg.max_empty_rounds, max_update_norm=cfg.max_update_norm,
+        wire_dtype=cfg.wire_dtype,
+        train_config=client_round_config(checkpointer, resume))
+    if resume is not None:
+        source, ckpt = resume
+        initial_state = restore(strategy, ckpt)
+        log(INFO, "Resuming after round %d from %s", ckpt.round, source)
+
+    def after_round(server_round: int) -> None:
+        if checkpointer.due(server_round):
+            path = checkpointer.write(snapshot(strategy, server_round, recorder.rows, cfg))
+            log(INFO, "Checkpoint: %s", path)
+
     final_state = strategy.start(grid, initial_state, cfg.num_rounds, cfg.round_timeout,
-                                 evaluate_fn=evaluator, on_round_end=recorder.record_round)
+                                 evaluate_fn=evaluator, on_round_end=recorder.record_round,
+                                 first_round=resume[1].round + 1 if resume else 1, after_round=after_round)
     recorder.finish(final_state)

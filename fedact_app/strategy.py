@@ -12,7 +12,7 @@ and expects back::
 
     "delta":   ArrayRecord  x_i^{r,K} - x^r
     <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
-    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss
+    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, partition-id
 
 The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
 no method state of its own. Replies that are errors or do not match the model are rejected
@@ -21,6 +21,7 @@ no method state of its own. Replies that are errors or do not match the model ar
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -49,8 +50,14 @@ def record_bytes(content: RecordDict) -> int:
 
 
 def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[str],
-                  trainable: Sequence[str]) -> ClientUpdate:
-    """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state."""
+                  trainable: Sequence[str], nonnegative: Sequence[str] = (),
+                  max_update_norm: float | None = None) -> ClientUpdate:
+    """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state.
+
+    ``nonnegative``: reply arrays that must hold no negative value (second moments).
+    ``max_update_norm``: when set, the delta's global L2 norm over the trainable parameters,
+    sqrt(sum_p ||Delta_p||^2), must not exceed it (the reply is rejected, not clipped).
+    """
     for key in ("delta", "metrics", *reply_keys):
         if key not in content:
             raise ReplyError(f"missing record {key!r}")
@@ -60,6 +67,12 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     for key in reply_keys:
         arrays[key] = content[key].to_torch_state_dict()
         _check_arrays(key, arrays[key], {name: state[name] for name in trainable})
+        if key in nonnegative and (negative := [n for n, t in arrays[key].items() if (t < 0).any()]):
+            raise ReplyError(f"{key!r} has negative values (in {negative[:3]}); it must be >= 0")
+    if max_update_norm:
+        norm = math.sqrt(sum(float(delta[name].double().square().sum()) for name in trainable))
+        if norm > max_update_norm:
+            raise ReplyError(f"update norm {norm:.4g} exceeds max_update_norm={max_update_norm:g}")
     metrics = content["metrics"]
     for key in ("num-examples", "num-steps", "lr-sum"):
         if key not in metrics or not metrics[key] > 0:
@@ -88,7 +101,8 @@ class AlgorithmStrategy(Strategy):
                  local_steps: int, lr_schedule: Callable[[int], float], fraction_train: float,
                  min_train_nodes: int, fraction_evaluate: float = 0.0, seed: int = 42,
                  expected_nodes: int = 0, max_empty_rounds: int = 3,
-                 node_wait_timeout: float = 300.0, wire_dtype: str = "float32") -> None:
+                 node_wait_timeout: float = 300.0, max_update_norm: float | None = None,
+                 train_config: dict | None = None, wire_dtype: str = "float32") -> None:
         self.rule = rule
         self.trainable = list(trainable)
         self.local_steps = local_steps
@@ -100,6 +114,10 @@ class AlgorithmStrategy(Strategy):
         self.expected_nodes = expected_nodes
         self.max_empty_rounds = max_empty_rounds
         self.wire_dtype = wire_dtype
+        self.max_update_norm = max_update_norm
+        self.train_config = dict(train_config or {})  # extra round-config entries for every client
+        self.empty_rounds = 0  # consecutive rounds without a usable reply
+        self.messages_sent = 0
         self._first_sample = True
         self.rng = random.Random(seed)
         self.state: TensorDict = {}
@@ -134,7 +152,7 @@ class AlgorithmStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        config = ConfigRecord({**config, "server-round": server_round,
+        config = ConfigRecord({**config, **self.train_config, "server-round": server_round,
                                "local-steps": self.local_steps,
                                "lr": self.lr_schedule(server_round),
                                "global-step": (server_round - 1) * self.local_steps})
@@ -144,32 +162,47 @@ class AlgorithmStrategy(Strategy):
         nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
         self.bytes_sent = record_bytes(content) * len(nodes)
+        self.messages_sent = len(nodes)
         return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
                 for node in nodes]
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        updates, losses, bytes_received, rejected = [], [], 0, 0
+        updates, losses, order, bytes_received, rejected, failed, received = [], [], [], 0, 0, 0, 0
         for msg in replies:
+            received += 1
             node = msg.metadata.src_node_id
             if msg.has_error():
                 rejected += 1
+                failed += 1
                 log(WARNING, "round %d: node %d failed: %s", server_round, node, msg.error.reason)
                 continue
             bytes_received += record_bytes(msg.content)
             try:
-                updates.append(decode_update(msg.content, self.state, self.rule.reply_keys, self.trainable))
+                updates.append(decode_update(msg.content, self.state, self.rule.reply_keys, self.trainable,
+                                             self.rule.nonnegative_keys, self.max_update_norm))
             except ReplyError as err:
                 rejected += 1
                 log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, err)
                 continue
             losses.append((float(msg.content["metrics"].get("train-loss", float("nan"))),
                            updates[-1].num_examples))
-        metrics = {"clients": len(updates), "rejected": rejected,
+            order.append((float(msg.content["metrics"].get("partition-id", -1)), node))
+        missing = max(self.messages_sent - received, 0)
+        if missing:
+            log(WARNING, "round %d: %d of %d sampled nodes sent no reply (timeout or gone)",
+                server_round, missing, self.messages_sent)
+        # rejected: replies not used (failed = Flower error replies, e.g. the ClientApp raised;
+        # the rest failed decode_update); missing: messages without any reply.
+        metrics = {"clients": len(updates), "rejected": rejected, "failed": failed, "missing": missing,
                    "bytes_sent": self.bytes_sent, "bytes_received": bytes_received}
         if not updates:
             log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
             return None, MetricRecord(metrics)
+        # Sums of floats depend on their order and replies arrive in any order: aggregate in a
+        # fixed one (the client's partition id, then node id), so a run repeats bit for bit.
+        ranked = sorted(range(len(updates)), key=order.__getitem__)
+        updates, losses = [updates[i] for i in ranked], [losses[i] for i in ranked]
         self.state = self.rule.aggregate(self.state, updates)
         total = sum(n for _, n in losses)
         metrics["train_loss"] = sum(loss * n for loss, n in losses) / total
@@ -204,15 +237,18 @@ class AlgorithmStrategy(Strategy):
 
     def start(self, grid: Grid, initial_state: TensorDict, num_rounds: int, timeout: float,
               evaluate_fn: Callable[[int, TensorDict], dict | None],
-              on_round_end: Callable[[dict], None]) -> TensorDict:
-        """Run ``num_rounds`` rounds; ``evaluate_fn(round, state)`` evaluates the global model
-        (round 0 = before training) and ``on_round_end(row)`` receives each round's metrics."""
+              on_round_end: Callable[[dict], None], *, first_round: int = 1,
+              after_round: Callable[[int], None] | None = None) -> TensorDict:
+        """Run rounds ``first_round..num_rounds``; ``evaluate_fn(round, state)`` evaluates the global
+        model (round 0 = before training, skipped when resuming at ``first_round > 1`` from a
+        restored state, rule, ``rng`` and ``empty_rounds``), ``on_round_end(row)`` receives each
+        round's metrics and ``after_round(round)`` runs after it (checkpoints)."""
         self.summary()
         self.state = dict(initial_state)
-        on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
+        if first_round == 1:
+            on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
         arrays = ArrayRecord(self.state)
-        empty_rounds = 0
-        for server_round in range(1, num_rounds + 1):
+        for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)
             replies = grid.send_and_receive(self.configure_train(server_round, arrays, ConfigRecord(), grid),
@@ -228,10 +264,12 @@ class AlgorithmStrategy(Strategy):
             row.update(evaluate_fn(server_round, self.state) or {})
             row["seconds"] = time.perf_counter() - started
             on_round_end(row)
-            empty_rounds = 0 if new_arrays is not None else empty_rounds + 1
-            if empty_rounds >= self.max_empty_rounds:
+            self.empty_rounds = 0 if new_arrays is not None else self.empty_rounds + 1
+            if after_round is not None:
+                after_round(server_round)
+            if self.empty_rounds >= self.max_empty_rounds:
                 raise RuntimeError(
-                    f"No usable client reply in {empty_rounds} consecutive rounds (up to round "
+                    f"No usable client reply in {self.empty_rounds} consecutive rounds (up to round "
                     f"{server_round}); stopping (max_empty_rounds={self.max_empty_rounds}). The "
                     f"reasons are logged above as 'node ... failed' / 'rejected reply'.")
         return self.state

@@ -1,0 +1,300 @@
+"""Checkpoints of a run, and resuming a run from one in a new Flower run.
+
+A checkpoint is one safetensors file, ``<run folder>/checkpoints/round-00004.safetensors``, whose
+tensors sit under prefixed keys::
+
+    model/<name>                 the global state x^r after round r
+    rule/<key>/<name>            the server rule's state (FedACT: v_bar, delta_g; FedAdam: m, v;
+                                 SCAFFOLD: c), ``ServerRule.state_dict()``
+    client/<pid>/<key>/<name>    the state each client partition keeps (SCAFFOLD: c_i), simulation
+    rng/torch, rng/numpy         the ServerApp process's torch and numpy generator states
+
+and whose metadata entry ``"fedact"`` is a JSON object with the rest: round, the count of
+consecutive empty rounds, the python and node-sampling ``random.Random`` states, the numpy
+generator's scalars, the resolved config (YAML) and the metrics rows so far. One file is written to
+a temporary name in the same folder, fsynced and renamed over the final name (``os.replace``), so a
+crash never leaves a torn checkpoint; the oldest ones beyond ``keep_checkpoints`` are removed.
+
+Clients keep state across rounds in Flower's ``Context.state``, which a new Flower run starts
+empty. So that a resumed simulation continues exactly, a client that keeps state also writes it to
+``<run folder>/client_state/<pid>.safetensors`` (the server names the folder in the round config,
+``client-state-dir``; a client writes only where the server's run folder exists, i.e. on a
+filesystem it shares with the server, as in simulation); the server copies those files into each
+checkpoint, and in a resumed run tells clients the checkpoint (``resume-checkpoint``) to load their
+state from when their ``Context.state`` is empty. docs/DEPLOY.md says what happens on SuperNodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from fedact_app.algorithms import TensorDict
+from fedact_app.config import Config, ConfigError, to_yaml
+
+CHECKPOINT_DIR = "checkpoints"
+CLIENT_STATE_DIR = "client_state"
+CLIENT_STATE_DIR_KEY = "client-state-dir"  # round-config key: where clients write their kept state
+RESUME_KEY = "resume-checkpoint"  # round-config key: the checkpoint clients restore their state from
+METADATA_KEY = "fedact"
+# Keys that must match between a checkpoint's config and the resuming run's (num_rounds may grow).
+COMPATIBLE_KEYS = ("algorithm", "model", "dataset", "partition", "seed", "num_clients", "local_steps",
+                   "batch_size")
+
+
+# ---------------------------------------------------------------- atomic files
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Create ``path`` through ``write(temporary path)`` in the same folder, fsync, ``os.replace``.
+
+    A failure (or a crash) at any point leaves an existing ``path`` as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def save_tensors(path: Path, tensors: TensorDict, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, atomically."""
+    contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(contiguous, str(tmp), metadata=metadata))
+
+
+# ---------------------------------------------------------------- the checkpoint
+
+
+@dataclass
+class Checkpoint:
+    """Everything a run needs to continue after round ``round``."""
+
+    round: int
+    model: TensorDict
+    rule: dict[str, TensorDict]
+    rng: dict  # "python", "sampler": random.Random states; "numpy", "torch": see capture_rng
+    empty_rounds: int
+    config: str  # the resolved config (YAML) of the run that wrote it
+    rows: list[dict]  # metrics rows 0..round
+    clients: dict[str, dict[str, TensorDict]] = field(default_factory=dict)  # partition id -> kept state
+
+
+def capture_rng(sampler: random.Random) -> dict:
+    """The process's python, numpy and torch generator states and the node sampler's state."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "sampler": sampler.getstate(), "torch": torch.get_rng_state(),
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def restore_rng(rng: dict, sampler: random.Random) -> None:
+    """Inverse of ``capture_rng``."""
+    random.setstate(rng["python"])
+    sampler.setstate(rng["sampler"])
+    torch.set_rng_state(rng["torch"])
+    n = rng["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+
+
+def _random_state(state: list) -> tuple:
+    """A ``random.Random`` state read back from JSON (lists) as the tuple ``setstate`` takes."""
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` to ``path`` atomically (module docstring: layout)."""
+    tensors = {f"model/{n}": t for n, t in ckpt.model.items()}
+    tensors.update({f"rule/{key}/{n}": t for key, arrays in ckpt.rule.items() for n, t in arrays.items()})
+    tensors.update({f"client/{pid}/{key}/{n}": t for pid, kept in ckpt.clients.items()
+                    for key, arrays in kept.items() for n, t in arrays.items()})
+    numpy_rng = dict(ckpt.rng["numpy"])
+    tensors["rng/torch"] = ckpt.rng["torch"]
+    tensors["rng/numpy"] = numpy_rng.pop("keys")
+    meta = {"round": ckpt.round, "empty_rounds": ckpt.empty_rounds, "config": ckpt.config,
+            "rows": ckpt.rows, "rng": {"python": ckpt.rng["python"], "sampler": ckpt.rng["sampler"],
+                                       "numpy": numpy_rng}}
+    save_tensors(path, tensors, {METADATA_KEY: json.dumps(meta)})
+
+
+def _split(tensors: TensorDict, prefix: str) -> TensorDict:
+    return {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+
+
+def _nested(tensors: TensorDict) -> dict[str, TensorDict]:
+    """{"key/name": t} -> {"key": {"name": t}}."""
+    out: dict[str, TensorDict] = {}
+    for name, tensor in tensors.items():
+        key, _, rest = name.partition("/")
+        out.setdefault(key, {})[rest] = tensor
+    return out
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint written by ``save_checkpoint``."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = (f.metadata() or {}).get(METADATA_KEY)
+    if metadata is None:
+        raise ValueError(f"{path} is not a FedACT checkpoint (no {METADATA_KEY!r} metadata)")
+    meta = json.loads(metadata)
+    tensors = load_file(str(path))
+    clients = {pid: _nested(kept) for pid, kept in _nested(_split(tensors, "client/")).items()}
+    rng = {"python": _random_state(meta["rng"]["python"]), "sampler": _random_state(meta["rng"]["sampler"]),
+           "torch": tensors["rng/torch"], "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}
+    return Checkpoint(round=meta["round"], model=_split(tensors, "model/"),
+                      rule=_nested(_split(tensors, "rule/")), rng=rng, empty_rounds=meta["empty_rounds"],
+                      config=meta["config"], rows=meta["rows"], clients=clients)
+
+
+def checkpoint_path(run_dir: Path, server_round: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"round-{server_round:05d}.safetensors"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """A run folder's checkpoints, oldest first."""
+    return sorted((Path(run_dir) / CHECKPOINT_DIR).glob("round-*.safetensors"))
+
+
+def resolve_resume(resume: str) -> Path:
+    """``resume``: a checkpoint file, or a run folder (its newest checkpoint)."""
+    path = Path(resume).expanduser().resolve()
+    if path.is_dir():
+        found = list_checkpoints(path)
+        if not found:
+            raise ConfigError(f"Invalid config value resume={resume!r}: allowed a checkpoint file or a run "
+                              f"folder with checkpoints; {path / CHECKPOINT_DIR} holds none")
+        return found[-1]
+    if not path.is_file():
+        raise ConfigError(f"Invalid config value resume={resume!r}: allowed an existing checkpoint file "
+                          f"or run folder; {path} does not exist")
+    return path
+
+
+def check_compatible(ckpt: Checkpoint, cfg: Config, source: Path) -> None:
+    """The resuming run must train the same problem the same way; ``num_rounds`` may grow."""
+    saved = OmegaConf.to_container(OmegaConf.create(ckpt.config))
+    current = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+    differ = [key for key in COMPATIBLE_KEYS if saved.get(key) != current.get(key)]
+    if differ:
+        details = "; ".join(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}" for key in differ)
+        raise ConfigError(f"Invalid config value resume={str(source)!r}: allowed a checkpoint of a run with "
+                          f"the same {', '.join(COMPATIBLE_KEYS)}; these differ: {details}")
+    if cfg.num_rounds <= ckpt.round:
+        raise ConfigError(f"Invalid config value num_rounds={cfg.num_rounds}: allowed > {ckpt.round}, the "
+                          f"round the checkpoint {source} was written after")
+
+
+# ---------------------------------------------------------------- the server's side
+
+
+class Checkpointer:
+    """Writes a run's checkpoints every ``checkpoint_every`` rounds and after the last, rotating them."""
+
+    def __init__(self, run_dir: Path, cfg: Config, restored_clients: Mapping[str, dict] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.every = cfg.checkpoint_every
+        self.keep = cfg.keep_checkpoints
+        self.num_rounds = cfg.num_rounds
+        self.restored_clients = dict(restored_clients or {})
+        self.client_state_dir = self.run_dir / CLIENT_STATE_DIR
+
+    def due(self, server_round: int) -> bool:
+        return server_round == self.num_rounds or (self.every > 0 and server_round % self.every == 0)
+
+    def client_states(self) -> dict[str, dict[str, TensorDict]]:
+        """Each partition's newest kept state: this run's client files over the restored ones."""
+        clients = dict(self.restored_clients)
+        for file in sorted(self.client_state_dir.glob("*.safetensors")):
+            clients[file.stem] = _nested(load_file(str(file)))
+        return clients
+
+    def write(self, ckpt: Checkpoint) -> Path:
+        """Save ``ckpt`` (with the clients' kept state) and remove the oldest beyond ``keep``."""
+        path = checkpoint_path(self.run_dir, ckpt.round)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ckpt.clients = self.client_states()
+        save_checkpoint(path, ckpt)
+        for old in list_checkpoints(self.run_dir)[:-self.keep]:
+            old.unlink()
+        return path
+
+
+# ---------------------------------------------------------------- the client's side
+
+
+def persist_client_state(config: Mapping, partition_id: int, client_state: dict[str, TensorDict]) -> None:
+    """Write a client's kept state to the folder the server named (``client-state-dir``) when the
+    server's run folder is visible here (a shared filesystem, as in simulation); else do nothing."""
+    folder = config.get(CLIENT_STATE_DIR_KEY)
+    if not folder or not client_state or not Path(folder).parent.is_dir():
+        return
+    Path(folder).mkdir(exist_ok=True)
+    tensors = {f"{key}/{n}": t for key, arrays in client_state.items() for n, t in arrays.items()}
+    save_tensors(Path(folder) / f"{partition_id}.safetensors", tensors)
+
+
+def restored_client_state(config: Mapping, partition_id: int) -> dict[str, TensorDict]:
+    """This partition's kept state from the checkpoint the server resumed from ({} if none)."""
+    source = config.get(RESUME_KEY)
+    if not source:
+        return {}
+    prefix = f"client/{partition_id}/"
+    with safe_open(str(source), framework="pt") as f:
+        tensors = {name[len(prefix):]: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
+    return _nested(tensors)
+
+
+# ---------------------------------------------------------------- the ServerApp's wiring
+
+
+def open_resume(cfg: Config) -> tuple[Path, Checkpoint] | None:
+    """(source, checkpoint) named by ``cfg.resume`` and checked against ``cfg``; None when not resuming."""
+    if cfg.resume is None:
+        return None
+    source = resolve_resume(cfg.resume)
+    ckpt = load_checkpoint(source)
+    check_compatible(ckpt, cfg, source)
+    return source, ckpt
+
+
+def client_round_config(checkpointer: Checkpointer, resume: tuple[Path, Checkpoint] | None) -> dict:
+    """Round-config entries telling clients where to keep and where to restore their state."""
+    config = {CLIENT_STATE_DIR_KEY: str(checkpointer.client_state_dir)}
+    if resume is not None and resume[1].clients:
+        config[RESUME_KEY] = str(resume[0])
+    return config
+
+
+def snapshot(strategy, server_round: int, rows: list[dict], cfg: Config) -> Checkpoint:
+    """A ``Checkpoint`` of an ``AlgorithmStrategy`` after ``server_round`` (clients filled on write)."""
+    return Checkpoint(round=server_round, model=dict(strategy.state), rule=strategy.rule.state_dict(),
+                      rng=capture_rng(strategy.rng), empty_rounds=strategy.empty_rounds,
+                      config=to_yaml(cfg), rows=list(rows))
+
+
+def restore(strategy, ckpt: Checkpoint) -> TensorDict:
+    """Put the checkpoint's rule state, RNG states and empty-round count back; return its model."""
+    strategy.rule.load_state_dict(ckpt.rule)
+    restore_rng(ckpt.rng, strategy.rng)
+    strategy.empty_rounds = ckpt.empty_rounds
+    return dict(ckpt.model)

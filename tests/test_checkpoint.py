@@ -1,0 +1,174 @@
+"""Checkpoints: atomic writes, rotation, round trips of everything a run needs to continue, the
+server rules' state, the clients' kept state and the resume checks."""
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate
+from fedact_app.checkpoint import (Checkpoint, Checkpointer, atomic_write, capture_rng, check_compatible,
+                                   client_round_config, list_checkpoints, load_checkpoint,
+                                   persist_client_state, resolve_resume, restore_rng,
+                                   restored_client_state, save_checkpoint)
+from fedact_app.config import ConfigError, compose, to_yaml
+
+TRAINABLE = ["w", "b"]
+X = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1.0, -1.0]), "bn.n": torch.tensor(4)}
+
+
+def checkpoint(server_round=2, cfg=None, clients=None) -> Checkpoint:
+    return Checkpoint(
+        round=server_round, model={n: t + server_round for n, t in X.items()},
+        rule={"v_bar": {"w": torch.full((2, 3), 0.5), "b": torch.zeros(2)},
+              "delta_g": {"w": -torch.ones(2, 3), "b": torch.tensor([0.25, 3.0])}},
+        rng=capture_rng(random.Random(7)), empty_rounds=1, config=to_yaml(cfg or compose()),
+        rows=[{"round": 0, "test_accuracy": 0.1}, {"round": 1, "train_loss": float("nan")}],
+        clients=clients or {})
+
+
+def same_arrays(a: dict, b: dict) -> bool:
+    """Nested dicts of tensors with equal keys, dtypes and values."""
+    return a.keys() == b.keys() and all(
+        same_arrays(a[k], b[k]) if isinstance(a[k], dict) else
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def assert_same_arrays(a: dict, b: dict) -> None:
+    assert same_arrays(a, b)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    c_i = {"c_i": {"w": torch.randn(2, 3), "b": torch.randn(2)}}
+    saved = checkpoint(clients={"0": c_i})
+    save_checkpoint(tmp_path / "c.safetensors", saved)
+    loaded = load_checkpoint(tmp_path / "c.safetensors")
+    assert (loaded.round, loaded.empty_rounds, loaded.config) == (2, 1, saved.config)
+    assert loaded.rows[0] == saved.rows[0] and np.isnan(loaded.rows[1]["train_loss"])
+    assert_same_arrays(loaded.model, saved.model)
+    assert_same_arrays(loaded.rule, saved.rule)
+    assert_same_arrays(loaded.clients, saved.clients)
+    assert loaded.rng["sampler"] == saved.rng["sampler"] and loaded.rng["python"] == saved.rng["python"]
+
+
+def test_rng_states_restore_the_same_draws(tmp_path):
+    sampler = random.Random(3)
+    sampler.random()
+    torch.manual_seed(1), np.random.seed(2), random.seed(4)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's legacy state
+    save_checkpoint(tmp_path / "c.safetensors",
+                    Checkpoint(1, dict(X), {}, capture_rng(sampler), 0, to_yaml(compose()), []))
+
+    def draws():
+        return (sampler.sample(range(100), 5), random.random(), np.random.standard_normal(3).tolist(),
+                torch.rand(3).tolist())
+
+    first = draws()
+    restore_rng(load_checkpoint(tmp_path / "c.safetensors").rng, sampler)
+    assert draws() == first
+
+
+def test_a_write_that_fails_after_the_temp_file_exists_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "round-00002.safetensors"
+    save_checkpoint(path, checkpoint())
+    before = path.read_bytes()
+
+    def crash(tmp: Path) -> None:
+        tmp.write_bytes(before[: len(before) // 2])  # a torn file under the temporary name
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, crash)
+    assert path.read_bytes() == before and load_checkpoint(path).round == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary file left
+
+
+@pytest.mark.parametrize("every, expected", [(0, [5]), (2, [2, 4, 5]), (1, [1, 2, 3, 4, 5])])
+def test_checkpoints_are_due_every_n_rounds_and_at_the_end(tmp_path, every, expected):
+    cfg = compose([f"checkpoint_every={every}", "num_rounds=5"])
+    checkpointer = Checkpointer(tmp_path, cfg)
+    assert [r for r in range(1, 6) if checkpointer.due(r)] == expected
+
+
+def test_rotation_keeps_the_newest(tmp_path):
+    checkpointer = Checkpointer(tmp_path, compose(["keep_checkpoints=2", "checkpoint_every=1"]))
+    for r in range(1, 5):
+        checkpointer.write(checkpoint(r))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00003.safetensors", "round-00004.safetensors"]
+    assert resolve_resume(str(tmp_path)) == tmp_path / "checkpoints" / "round-00004.safetensors"
+
+
+def test_client_state_goes_through_the_checkpoint_to_a_resumed_client(tmp_path):
+    """A client writes its kept state; the checkpoint collects it over the restored clients' state;
+    a client of a resumed run reads back its own partition's state and nothing else."""
+    restored = {"1": {"c_i": {"w": torch.ones(2, 3), "b": torch.ones(2)}}}
+    checkpointer = Checkpointer(tmp_path, compose(), restored)
+    mine = {"c_i": {"w": torch.randn(2, 3), "b": torch.randn(2)}}
+    persist_client_state(client_round_config(checkpointer, None), 0, mine)
+    path = checkpointer.write(checkpoint(3))
+    config = client_round_config(checkpointer, (path, load_checkpoint(path)))
+    assert_same_arrays(restored_client_state(config, 0), mine)
+    assert_same_arrays(restored_client_state(config, 1), restored["1"])
+    assert restored_client_state(config, 5) == {}  # never trained: starts from zero
+    assert restored_client_state(client_round_config(checkpointer, None), 0) == {}  # not resuming
+
+
+def updates(seed: int, num: int = 2) -> list[ClientUpdate]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num):
+        delta = {n: torch.randn(t.shape, generator=g) if t.is_floating_point() else torch.tensor(i) for n, t in X.items()}
+        arrays = {key: {n: torch.rand(X[n].shape, generator=g) for n in TRAINABLE} for key in ("v", "delta_c")}
+        out.append(ClientUpdate(delta=delta, num_steps=3, lr_sum=0.3, num_examples=10 + i, arrays=arrays))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_server_rule_state_dict_round_trip_continues_identically(name):
+    """Rule A aggregates rounds 1 and 2; rule B, new, loads A's state after round 1 and aggregates
+    round 2: both give the same model and state. A new rule without the state differs wherever the
+    method keeps state, so the state_dict carries everything that matters."""
+    cfg = compose([f"algorithm={name}"]).algorithm
+    make = lambda: ALGORITHMS[name].server(cfg, TRAINABLE, num_clients=4)  # noqa: E731
+    a = make()
+    x1 = a.aggregate(X, updates(1))
+    state = a.state_dict()
+    assert set(state) == set(a.state_keys) and all(set(s) == set(TRAINABLE) for s in state.values())
+    b = make()
+    b.load_state_dict({k: {n: t.clone() for n, t in v.items()} for k, v in state.items()})
+    assert_same_arrays(b.broadcast(), a.broadcast())  # round 2's clients receive the same arrays
+    x2a, x2b = a.aggregate(x1, updates(2)), b.aggregate(x1, updates(2))
+    assert_same_arrays(x2a, x2b)
+    assert_same_arrays(a.state_dict(), b.state_dict())
+    if a.state_keys:  # without the state, round 2 would go differently
+        fresh = make()
+        sent = fresh.broadcast()
+        assert not (same_arrays(sent, b.broadcast()) and same_arrays(fresh.aggregate(x1, updates(2)), x2a)
+                    and same_arrays(fresh.state_dict(), a.state_dict()))
+
+
+def test_load_state_dict_rejects_foreign_state():
+    rule = ALGORITHMS["fedact"].server(compose().algorithm, TRAINABLE)
+    with pytest.raises(ValueError, match="keeps"):
+        rule.load_state_dict({"m": {"w": torch.zeros(2, 3), "b": torch.zeros(2)}})
+    with pytest.raises(ValueError, match="trainable"):
+        rule.load_state_dict({"v_bar": {"w": torch.zeros(2, 3)}})
+
+
+def test_resume_must_match_the_checkpointed_run(tmp_path):
+    cfg = compose(["num_rounds=4"])
+    save_checkpoint(tmp_path / "c.safetensors", checkpoint(2, cfg))
+    ckpt = load_checkpoint(tmp_path / "c.safetensors")
+    check_compatible(ckpt, compose(["num_rounds=6", "output_dir=/elsewhere", "checkpoint_every=3"]), tmp_path)
+    with pytest.raises(ConfigError, match=r"seed: checkpoint 42, now 7"):
+        check_compatible(ckpt, compose(["num_rounds=4", "seed=7"]), tmp_path)
+    with pytest.raises(ConfigError, match=r"algorithm: checkpoint"):
+        check_compatible(ckpt, compose(["num_rounds=4", "algorithm.rho=0.25"]), tmp_path)
+    with pytest.raises(ConfigError, match=r"num_rounds=2: allowed > 2"):
+        check_compatible(ckpt, compose(["num_rounds=2"]), tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_resume(str(tmp_path / "nope.safetensors"))
+    with pytest.raises(ConfigError, match="holds none"):
+        resolve_resume(str(tmp_path))

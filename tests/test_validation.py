@@ -1,0 +1,222 @@
+"""Bad input never reaches training or the global state: config values (each category of the
+issue), configs the data cannot feed, and bad client replies built as real Flower messages."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+
+from fedact_app.algorithms import ALGORITHMS
+from fedact_app.config import ConfigError, compose
+from fedact_app.data import train_labels
+from fedact_app.preflight import check_partitions
+from fedact_app.strategy import AlgorithmStrategy, ReplyError, decode_update
+
+
+@pytest.mark.parametrize("override, key", [
+    # tau in (0, 1], rho in [0, 1], alpha >= gamma >= 0
+    ("algorithm.tau=-0.5", "algorithm.tau"),
+    ("algorithm.rho=2", "algorithm.rho"),
+    ("algorithm.gamma=-0.1", "algorithm.gamma"),
+    ("algorithm.alpha=0.2 algorithm.gamma=0.3", "algorithm.alpha"),
+    # learning rates > 0
+    ("algorithm.lr=-0.5", "algorithm.lr"),
+    ("algorithm.lr_min=1", "algorithm.lr_min"),
+    ("algorithm=fedadam algorithm.server_lr=0", "algorithm.server_lr"),
+    # betas in [0, 1)
+    ("algorithm.betas=[-0.1,0.999]", "algorithm.betas"),
+    ("algorithm.betas=[0.9]", "algorithm.betas"),
+    ("algorithm=fedadam algorithm.server_betas=[0.9,1.0]", "algorithm.server_betas"),
+    # Dirichlet alpha > 0
+    ("partition.alpha=-1", "partition.alpha"),
+    # fractions in (0, 1]
+    ("fraction_train=1.5", "fraction_train"),
+    ("fraction_evaluate=-0.1", "fraction_evaluate"),
+    # counts >= 1
+    ("num_rounds=0", "num_rounds"),
+    ("batch_size=0", "batch_size"),
+    ("min_train_nodes=11", "min_train_nodes"),  # > num_clients = 10
+    ("max_empty_rounds=0", "max_empty_rounds"),
+    ("keep_checkpoints=0", "keep_checkpoints"),
+    ("checkpoint_every=-1", "checkpoint_every"),
+    # known names
+    ("dataset.name=mnist", "dataset.name"),
+    ("partition.name=shards", "partition.name"),
+    ("algorithm.name=fedsgd", "algorithm.name"),
+    # a key the method does not read, set away from its default
+    ("algorithm=fedavg algorithm.rho=0.3", "algorithm.rho"),
+    # reply bound, fault injection
+    ("max_update_norm=0", "max_update_norm"),
+    ("debug.fail_partitions=[10] debug.fail_rounds=[1]", "debug.fail_partitions"),
+    ("debug.fail_partitions=[0] debug.fail_rounds=[11]", "debug.fail_rounds"),
+    ("debug.fail_partitions=[0]", "debug.fail_rounds"),
+])
+def test_each_bad_config_category_fails_naming_key_value_and_range(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose(override.split())
+    message = str(err.value)
+    assert message.startswith(f"Invalid config value {key}=") and "allowed" in message
+    shown = dict(item.split("=", 1) for item in override.split()).get(key)
+    assert shown is None or shown in message.replace(" ", "")  # the bad value itself is shown
+
+
+def test_fault_injection_and_bound_are_off_by_default():
+    cfg = compose()
+    assert cfg.debug.fail_partitions == [] and cfg.debug.fail_rounds == []
+    assert cfg.max_update_norm is None and cfg.resume is None
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ("partition=iid num_clients=1438", "1437 training examples"),  # more clients than examples
+    ("partition=dirichlet partition.alpha=0.1 partition.min_partition_size=200 num_clients=10",
+     "every client >= 200 examples"),
+])
+def test_more_clients_than_the_data_can_feed_fails_before_training(overrides, needle):
+    cfg = compose(overrides.split())
+    with pytest.raises(ConfigError) as err:
+        check_partitions(cfg, train_labels(cfg))
+    message = str(err.value)
+    assert f"num_clients={cfg.num_clients}" in message and needle in message
+    assert "dataset=digits" in message and "10 classes" in message and f"partition={cfg.partition.name}" in message
+
+
+def test_a_feasible_split_passes():
+    cfg = compose(["num_clients=10"])
+    check_partitions(cfg, train_labels(cfg))
+    assert len(train_labels(cfg)) == 1437 and np.unique(train_labels(cfg)).size == 10
+
+
+# ---------------------------------------------------------------- replies
+
+STATE = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1.0, -1.0]), "bn.n": torch.tensor(3)}
+TRAINABLE = ["w", "b"]
+LR_SUM = 0.5
+
+
+def good_content(scale=1.0):
+    return RecordDict({
+        "delta": ArrayRecord({"w": torch.full((2, 3), 0.25 * scale), "b": torch.tensor([0.5, -0.5]) * scale,
+                              "bn.n": torch.tensor(1)}),
+        "v": ArrayRecord({"w": torch.full((2, 3), 0.04), "b": torch.tensor([0.01, 0.09])}),
+        "metrics": MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": LR_SUM, "train-loss": 1.0}),
+    })
+
+
+def with_record(key, record):
+    content = good_content()
+    content[key] = record
+    return content
+
+
+def without(key):
+    content = good_content()
+    del content[key]
+    return content
+
+
+def reply(node: int, content: RecordDict | None = None, error: Error | None = None) -> Message:
+    """A reply as the SuperLink hands it to the ServerApp (real Flower Message and Metadata)."""
+    metadata = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0,
+                        reply_to_message_id=f"q{node}", group_id="1", created_at=time.time(), ttl=60.0,
+                        message_type=MessageType.TRAIN)
+    return Message(metadata=metadata, content=content, error=error)
+
+
+BAD = {
+    "missing delta": without("delta"),
+    "missing v": without("v"),
+    "missing metrics": without("metrics"),
+    "missing key": with_record("delta", ArrayRecord({"w": torch.zeros(2, 3), "bn.n": torch.tensor(0)})),
+    "wrong shape": with_record("v", ArrayRecord({"w": torch.zeros(3, 2), "b": torch.zeros(2)})),
+    "wrong dtype": with_record("v", ArrayRecord({"w": torch.zeros(2, 3, dtype=torch.float16), "b": torch.zeros(2)})),
+    "nan": with_record("delta", ArrayRecord({"w": torch.full((2, 3), float("nan")), "b": torch.zeros(2),
+                                             "bn.n": torch.tensor(0)})),
+    "negative v": with_record("v", ArrayRecord({"w": torch.full((2, 3), 0.04), "b": torch.tensor([0.01, -1e-9])})),
+    "zero steps": with_record("metrics", MetricRecord({"num-examples": 10, "num-steps": 0, "lr-sum": LR_SUM})),
+    "negative lr-sum": with_record("metrics", MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": -0.5})),
+    "zero examples": with_record("metrics", MetricRecord({"num-examples": 0, "num-steps": 5, "lr-sum": LR_SUM})),
+}
+
+
+def fedact_strategy(max_update_norm=None) -> AlgorithmStrategy:
+    cfg = compose(["algorithm=fedact"]).algorithm
+    strategy = AlgorithmStrategy(ALGORITHMS["fedact"].server(cfg, TRAINABLE), trainable=TRAINABLE,
+                                 local_steps=5, lr_schedule=lambda r: 0.1, fraction_train=1.0,
+                                 min_train_nodes=1, max_update_norm=max_update_norm)
+    strategy.state = {n: t.clone() for n, t in STATE.items()}
+    return strategy
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_each_bad_reply_leaves_the_model_unchanged_and_is_counted(name):
+    strategy = fedact_strategy()
+    strategy.messages_sent = 1
+    arrays, metrics = strategy.aggregate_train(1, [reply(7, BAD[name])])
+    assert arrays is None
+    assert (metrics["clients"], metrics["rejected"], metrics["failed"], metrics["missing"]) == (0, 1, 0, 0)
+    assert all(torch.equal(strategy.state[n], STATE[n]) for n in STATE)
+    assert strategy.rule.state_dict() == {}  # v_bar, Delta_G untouched
+
+
+def test_error_reply_and_missing_reply_are_counted_and_only_good_replies_aggregate():
+    """One good reply, one Flower error reply (the ClientApp raised), one node that never replied:
+    x, v_bar and Delta_G come from the good reply alone (S = 1), by the seed's lines 22-24."""
+    strategy = fedact_strategy()
+    strategy.messages_sent = 3
+    failed = reply(8, error=Error(code=3, reason="ClientApp raised InjectedFault"))
+    arrays, metrics = strategy.aggregate_train(1, [reply(7, good_content()), failed])
+    assert (metrics["clients"], metrics["rejected"], metrics["failed"], metrics["missing"]) == (1, 1, 1, 1)
+    good = good_content()
+    delta = good["delta"].to_torch_state_dict()
+    for name in STATE:
+        assert torch.equal(strategy.state[name], STATE[name] + delta[name])
+    state = strategy.rule.state_dict()
+    for name in TRAINABLE:
+        torch.testing.assert_close(state["delta_g"][name], -delta[name] / LR_SUM, rtol=0, atol=0)
+        assert torch.equal(state["v_bar"][name], good["v"].to_torch_state_dict()[name])
+    assert arrays is not None
+
+
+def test_update_norm_bound_rejects_only_larger_updates():
+    # ||delta|| over trainable w, b: sqrt(6 * 0.25^2 + 2 * 0.5^2) = sqrt(0.875); the integer buffer is not counted
+    norm = (6 * 0.25 ** 2 + 2 * 0.5 ** 2) ** 0.5
+    decode_update(good_content(), STATE, ("v",), TRAINABLE, ("v",), max_update_norm=norm * 1.001)
+    with pytest.raises(ReplyError, match="exceeds max_update_norm"):
+        decode_update(good_content(), STATE, ("v",), TRAINABLE, ("v",), max_update_norm=norm * 0.999)
+    strategy = fedact_strategy(max_update_norm=1.0)
+    strategy.messages_sent = 2
+    _, metrics = strategy.aggregate_train(1, [reply(1, good_content()), reply(2, good_content(scale=2.0))])
+    assert (metrics["clients"], metrics["rejected"]) == (1, 1)  # 2 * 0.935 > 1 rejected, 0.935 kept
+
+
+def test_negative_second_moment_is_rejected_only_where_declared():
+    content = BAD["negative v"]
+    with pytest.raises(ReplyError, match="'v' has negative values"):
+        decode_update(content, STATE, ("v",), TRAINABLE, nonnegative=("v",))
+    decode_update(content, STATE, ("v",), TRAINABLE)  # a method that declares nothing accepts it
+    assert ALGORITHMS["fedact"].server.nonnegative_keys == ("v",)
+    assert ALGORITHMS["fedlada"].server.nonnegative_keys == ("v",)
+    assert ALGORITHMS["scaffold"].server.nonnegative_keys == ()  # Delta c_i has any sign
+
+
+def test_aggregation_does_not_depend_on_the_order_replies_arrive_in():
+    """Float sums depend on order; replies are aggregated by partition id, so any arrival order
+    gives the same bits (what makes a resumed run equal a straight one)."""
+    contents = []
+    for pid in range(3):
+        content = good_content(scale=1.0 + pid / 7)
+        content["v"] = ArrayRecord({"w": torch.rand(2, 3), "b": torch.rand(2)})
+        content["metrics"] = MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": LR_SUM / 3 * (pid + 1),
+                                           "train-loss": 1.0, "partition-id": pid})
+        contents.append(content)
+    results = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        strategy = fedact_strategy()
+        strategy.messages_sent = 3
+        strategy.aggregate_train(1, [reply(10 + i, contents[i]) for i in order])
+        results.append((strategy.state, strategy.rule.state_dict()))
+    for state, rule in results[1:]:
+        assert all(torch.equal(state[n], results[0][0][n]) for n in STATE)
+        assert all(torch.equal(rule[k][n], results[0][1][k][n]) for k in rule for n in TRAINABLE)
