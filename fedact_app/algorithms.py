@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from fedact_app.baselines import FedLADAAdam, LocalSGD
+from fedact_app.diagnostics import adam_direction
 from fedact_app.optim import FedACTAdamW
 
 TensorDict = dict[str, Tensor]
@@ -171,6 +172,16 @@ class LocalRule(ABC):
         (x_i^{r,K} - x^r) are on the CPU."""
         return LocalResult()
 
+    def last_step_direction(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]] | None:
+        """(u, g) per parameter of the optimizer's last step, u the update direction before any
+        modulation (the trust-score diagnostics, fedact_app.diagnostics); None for a method
+        without an adaptive direction (the SGD family)."""
+        return None
+
+    def amplified_fraction(self, optimizer: torch.optim.Optimizer) -> float | None:
+        """The share of coordinates ACT amplified in the last step; None for a method without ACT."""
+        return None
+
 
 class SGDLocal(LocalRule):
     """Local SGD with L2 weight decay (FedAvg, FedAdam's clients) and, with ``mu > 0``, FedProx's
@@ -224,6 +235,9 @@ class AdamLocal(LocalRule):
                     inputs: RoundInputs) -> None:
         optimizer.state.clear()  # m = v = 0, step = 0: nothing carries over between rounds/clients
 
+    def last_step_direction(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+        return adam_direction(optimizer)
+
 
 class AdamWLocal(AdamLocal):
     """LocalAdamW: ``torch.optim.AdamW`` (decoupled weight decay), fresh state every round."""
@@ -249,6 +263,9 @@ class FedLADALocal(LocalRule):
         moments = optimizer.second_moments()
         return LocalResult(arrays={"v": {name: v for (name, _), v in zip(named_params, moments)}})
 
+    def last_step_direction(self, optimizer: FedLADAAdam) -> list[tuple[Tensor, Tensor]]:
+        return optimizer.last_step_direction()
+
 
 class FedACTLocal(LocalRule):
     """FedACT-AdamW on the client (seed: Algorithm 1, lines 4-21); ``trust_signal`` picks the
@@ -270,6 +287,12 @@ class FedACTLocal(LocalRule):
                   delta: TensorDict, lr_sum: float) -> LocalResult:
         moments = optimizer.second_moments()
         return LocalResult(arrays={"v": {name: v for (name, _), v in zip(named_params, moments)}})
+
+    def last_step_direction(self, optimizer: FedACTAdamW) -> list[tuple[Tensor, Tensor]]:
+        return optimizer.last_step_direction()
+
+    def amplified_fraction(self, optimizer: FedACTAdamW) -> float:
+        return optimizer.amplified_fraction()
 
 
 # ---------------------------------------------------------------- server rules

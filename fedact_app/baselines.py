@@ -206,6 +206,23 @@ class FedLADAAdam(Optimizer):
                 for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
+    def last_step_direction(self) -> list[tuple[Tensor, Tensor]]:
+        """``(u, g)`` of the last step for every parameter with a gradient: the direction
+        u = (1-rho) m / sqrt(v_hat) + rho g_a the step moved along (new tensors, from the state)
+        and ``p.grad``. For diagnostics (fedact_app.diagnostics)."""
+        pairs = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if p.grad is None or not state:
+                    continue
+                u = (state["exp_avg"] / state["max_exp_avg_sq"].sqrt()).mul_(1.0 - group["rho"])
+                if "offset" in state:
+                    u.add_(state["offset"], alpha=group["rho"])
+                pairs.append((u, p.grad))
+        return pairs
+
+    @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = None
         if closure is not None:

@@ -134,7 +134,7 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
         reply[key] = ArrayRecord(arrays)
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
                                      "lr-sum": update.lr_sum, "train-loss": result.loss,
-                                     "partition-id": partition_id})
+                                     "partition-id": partition_id, **result.diagnostics})
     return reply
 
 

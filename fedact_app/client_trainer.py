@@ -23,6 +23,7 @@ from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorD
 from fedact_app.config import Config, PartitionConfig, compose
 from fedact_app.data import (BatchStream, ImageTensors, batch_generator, load_client_train, load_test,
                              partition_indices, test_batches)
+from fedact_app.diagnostics import TrustProbe
 from fedact_app.models import build_model
 from fedact_app.train import EvalStats, evaluate, memory_format, resolve_device, train_steps
 from fedact_app.wire import from_wire
@@ -35,6 +36,7 @@ class RoundResult:
     update: ClientUpdate
     loss: float
     client_state: dict[str, TensorDict]
+    diagnostics: dict[str, float]  # the round's trust-score statistics (fedact_app.diagnostics)
 
 
 def _to_cpu(arrays: dict[str, TensorDict]) -> dict[str, TensorDict]:
@@ -79,15 +81,18 @@ class ClientTrainer:
         generator = batch_generator(self.cfg.seed, server_round, partition_id, self.device)
         batches = BatchStream(self.train_data(partition_id, num_partitions), self.cfg.batch_size,
                               self.cfg.dataset.augment, generator)
+        probe = TrustProbe(self.cfg.diagnostics.trust_every, self.cfg.diagnostics.top_p,
+                           direction=lambda: self.rule.last_step_direction(self.optimizer),
+                           amplified=lambda: self.rule.amplified_fraction(self.optimizer))
         stats = train_steps(self.model, self.optimizer, batches, local_steps, self.cfg.precision,
-                            self.cfg.channels_last)
+                            self.cfg.channels_last, after_step=probe.after_step)
         new_state = self.model.state_dict()
         delta = {name: new_state[name].detach().cpu() - state[name] for name in state}
         lr_sum = lr * local_steps
         local = self.rule.end_round(self.optimizer, self.named_params, inputs, delta, lr_sum)
         update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr_sum,
                               num_examples=stats.num_examples, arrays=_to_cpu(local.arrays))
-        return RoundResult(update, stats.loss, _to_cpu(local.client_state))
+        return RoundResult(update, stats.loss, _to_cpu(local.client_state), probe.summary())
 
     def evaluate_local(self, state: TensorDict, *, partition_id: int, num_partitions: int) -> EvalStats:
         """The global model on this client's share of the test set (an IID split of it)."""

@@ -185,6 +185,22 @@ class DebugConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    """The seed's mechanism diagnostics (Appendix A; fedact_app.diagnostics) in metrics.jsonl.
+
+    Direction consistency and ||Delta_G|| are computed on the server every round. Clients compute
+    the positive score ratio, the top-p score mass and the amplified fraction every
+    ``trust_every``-th local step (0 = off); they never change training."""
+
+    trust_every: int = 10
+    top_p: float = 0.01
+
+    def __post_init__(self) -> None:
+        _require(self.trust_every >= 0, "diagnostics.trust_every", self.trust_every, ">= 0 (0 = off)")
+        _require(0 < self.top_p <= 1, "diagnostics.top_p", self.top_p, "in (0, 1]")
+
+
+@dataclass
 class Config:
     """A whole run (``conf/config.yaml`` plus the groups)."""
 
@@ -193,6 +209,7 @@ class Config:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     num_rounds: int = 5
     num_clients: int = 10
     fraction_train: float = 0.5
@@ -214,6 +231,7 @@ class Config:
     keep_checkpoints: int = 2  # the newest checkpoints kept in <run folder>/checkpoints
     resume: Optional[str] = None  # continue from a checkpoint file, or a run folder's newest one
     output_dir: str = "outputs"
+    tensorboard: bool = True  # TensorBoard scalars in <run folder>/tensorboard when tensorboard is installed
     data_dir: Optional[str] = None  # Hugging Face datasets cache; default: HF_DATASETS_CACHE
 
     def __post_init__(self) -> None:

@@ -270,6 +270,53 @@ class FedACTAdamW(Optimizer):
         return [self._init_state(p, "exp_avg_sq") for p in self._all_params()]
 
     @torch.no_grad()
+    def last_step_direction(self) -> list[tuple[Tensor, Tensor]]:
+        """``(u, g)`` of the last :meth:`step` for every parameter with a gradient (param_groups
+        order): u = (1-rho) m_hat / (sqrt(v_hat) + eps) + rho Delta_G before any modulation, read
+        from the state (new tensors), and the gradient ``p.grad``. For diagnostics
+        (fedact_app.diagnostics): the trust score of Appendix A is ``u * g``."""
+        k = self.local_step
+        if k == 0:
+            raise RuntimeError("last_step_direction() needs a step() since the last begin_round()")
+        t = self.global_step
+        pairs = []
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            rho = group["rho"]
+            for p in group["params"]:
+                state = self.state.get(p)
+                if p.grad is None or not state:
+                    continue
+                m_hat = state["exp_avg"] / (1.0 - beta1 ** k)
+                v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** t)
+                u = m_hat.div_(v_hat.sqrt_().add_(group["eps"])).mul_(1.0 - rho)
+                if rho > 0 and "delta_g" in state:
+                    u.add_(state["delta_g"], alpha=rho)
+                pairs.append((u, p.grad))
+        return pairs
+
+    def amplified_fraction(self) -> float:
+        """The fraction of the coordinates of the last :meth:`step` (parameters with a gradient)
+        whose factor phi_j exceeds 1, i.e. that ACT moves further than the dense corrected
+        direction: in each selection scope the ``floor(tau d)`` top entries get alpha and the rest
+        gamma (both divided by their mean with ``scale_matched``); phi = 1 without a trust signal."""
+        groups = self.param_groups
+        sizes = [[p.numel() for p in g["params"] if p.grad is not None] for g in groups]
+        total = sum(map(sum, sizes))
+        if groups[0]["trust_scope"] == "global":  # one selection; the settings agree across groups
+            scopes = [(total, groups[0])]
+        else:
+            scopes = [(d, g) for g, ds in zip(groups, sizes) for d in ds]
+        amplified = 0
+        for d, group in scopes:
+            if group["trust_signal"] == "none" or d == 0:
+                continue
+            k, alpha, gamma = _phi_factors(d, group["tau"], group["alpha"], group["gamma"],
+                                           group["scale_matched"])
+            amplified += k * (alpha > 1.0) + (d - k) * (gamma > 1.0)
+        return amplified / total if total else 0.0
+
+    @torch.no_grad()
     def begin_round(
         self,
         v_bar: Optional[Sequence[Tensor]] = None,
@@ -731,16 +778,20 @@ def _update(b: _ParamBatch, scale: float) -> None:
         p.add_(u, alpha=coef)
 
 
-def _phi_values(seg: _TrustSegment) -> tuple[int, float, float]:
-    """``k = floor(tau * d)`` and the (scale-matched) alpha and gamma of a segment."""
-    d = seg.scores.numel()
-    k = math.floor(seg.tau * d)
-    alpha, gamma = seg.alpha, seg.gamma
-    if seg.scale_matched and d > 0:
+def _phi_factors(d: int, tau: float, alpha: float, gamma: float, scale_matched: bool) -> tuple[int, float, float]:
+    """``k = floor(tau * d)`` and the factors alpha and gamma of a selection over d entries, both
+    divided by the mean factor ``(k alpha + (d - k) gamma) / d`` when ``scale_matched``."""
+    k = math.floor(tau * d)
+    if scale_matched and d > 0:
         mean = (k * alpha + (d - k) * gamma) / d
         if mean > 0.0:
             alpha, gamma = alpha / mean, gamma / mean
     return k, alpha, gamma
+
+
+def _phi_values(seg: _TrustSegment) -> tuple[int, float, float]:
+    """:func:`_phi_factors` of a segment."""
+    return _phi_factors(seg.scores.numel(), seg.tau, seg.alpha, seg.gamma, seg.scale_matched)
 
 
 def _modulate(segments: Sequence[_TrustSegment], batches: Sequence[_ParamBatch]) -> float:

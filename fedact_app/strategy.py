@@ -12,11 +12,14 @@ and expects back::
 
     "delta":   ArrayRecord  x_i^{r,K} - x^r
     <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
-    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, partition-id
+    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, partition-id and the
+                            trust-score statistics the client sampled (fedact_app.diagnostics)
 
 The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
 no method state of its own. Replies that are errors or do not match the model are rejected
-(logged with node id and reason, counted in the round's metrics) and never reach the rule.
+(logged with node id and reason, counted in the round's metrics) and never reach the rule. Each
+round's metrics carry the seed's diagnostics over the accepted replies: direction consistency,
+||Delta_G|| and the clients' trust-score statistics (fedact_app.diagnostics).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
+from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
 from fedact_app.wire import to_wire
 
 
@@ -168,7 +172,7 @@ class AlgorithmStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        updates, losses, order, bytes_received, rejected, failed, received = [], [], [], 0, 0, 0, 0
+        updates, client_metrics, order, bytes_received, rejected, failed, received = [], [], [], 0, 0, 0, 0
         for msg in replies:
             received += 1
             node = msg.metadata.src_node_id
@@ -185,9 +189,8 @@ class AlgorithmStrategy(Strategy):
                 rejected += 1
                 log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, err)
                 continue
-            losses.append((float(msg.content["metrics"].get("train-loss", float("nan"))),
-                           updates[-1].num_examples))
-            order.append((float(msg.content["metrics"].get("partition-id", -1)), node))
+            client_metrics.append(dict(msg.content["metrics"]))
+            order.append((float(client_metrics[-1].get("partition-id", -1)), node))
         missing = max(self.messages_sent - received, 0)
         if missing:
             log(WARNING, "round %d: %d of %d sampled nodes sent no reply (timeout or gone)",
@@ -202,10 +205,15 @@ class AlgorithmStrategy(Strategy):
         # Sums of floats depend on their order and replies arrive in any order: aggregate in a
         # fixed one (the client's partition id, then node id), so a run repeats bit for bit.
         ranked = sorted(range(len(updates)), key=order.__getitem__)
-        updates, losses = [updates[i] for i in ranked], [losses[i] for i in ranked]
+        updates, client_metrics = [updates[i] for i in ranked], [client_metrics[i] for i in ranked]
         self.state = self.rule.aggregate(self.state, updates)
-        total = sum(n for _, n in losses)
-        metrics["train_loss"] = sum(loss * n for loss, n in losses) / total
+        total = sum(u.num_examples for u in updates)
+        metrics["train_loss"] = sum(float(m.get("train-loss", math.nan)) * u.num_examples
+                                    for m, u in zip(client_metrics, updates)) / total
+        metrics["direction_consistency"] = direction_consistency([u.delta for u in updates], self.trainable)
+        if "delta_g" in (broadcast := self.rule.broadcast()):
+            metrics["delta_g_norm"] = global_norm(broadcast["delta_g"])
+        metrics.update(mean_client_statistics(client_metrics))
         return ArrayRecord(self.state), MetricRecord(metrics)
 
     # ------------------------------------------------------------------ federated evaluation

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -45,24 +45,28 @@ class TrainStats:
 
 
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int,
-                precision: str = "fp32", channels_last: bool = False) -> TrainStats:
+                precision: str = "fp32", channels_last: bool = False,
+                after_step: Callable[[int], None] | None = None) -> TrainStats:
     """Run ``steps`` optimizer steps on batches drawn from ``batches.next_batch()``.
 
     The loss is summed on the device and read once at the end (no host sync per step).
     ``precision``/``channels_last``: see :func:`autocast` and ``Config.channels_last``.
+    ``after_step(k)`` runs after the k-th step (1-based), the gradients still in place.
     """
     model.train()
     loss_sum = None
     num_examples = 0
     device = next(model.parameters()).device
     layout = memory_format(channels_last)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         images, labels = batches.next_batch()
         with autocast(device, precision):
             loss = F.cross_entropy(model(images.contiguous(memory_format=layout)), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if after_step is not None:
+            after_step(step)
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         num_examples += labels.shape[0]
     return TrainStats(loss=float(loss_sum) / steps, num_examples=num_examples)

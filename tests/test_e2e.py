@@ -21,6 +21,8 @@ SHORT = "num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 local_s
 LEARNS = ("algorithm=fedact num_rounds=3 num_clients=3 fraction_train=1.0 min_train_nodes=3 "
           "local_steps=15 algorithm.lr=3e-3")
 FAST_OPTIONS = "wire_dtype=bfloat16 precision=bf16 channels_last=true"
+SGD_FAMILY = ("fedavg", "fedprox", "scaffold", "fedadam")  # no adaptive direction: no trust score
+CLIENT_DIAGNOSTICS = ("positive_ratio", "top_p_mass")
 JOBS = {**{name: (f"algorithm={name} {SHORT}", 2) for name in ALGORITHMS}, "fedact-learns": (LEARNS, 3),
         "fedact-fast-options": (f"algorithm=fedact {SHORT} {FAST_OPTIONS}", 2)}
 
@@ -85,6 +87,13 @@ def test_every_method_completes_a_digits_run(algorithm, job, record_property):
     assert all(r["clients"] == 2 and r["rejected"] == 0 for r in rows[1:])
     assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in rows[1:])
     assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["test_loss"]) for r in rows[1:])
+    # the seed's diagnostics: defined ones recorded every round (K = 10 = diagnostics.trust_every)
+    assert all(-1 <= r["direction_consistency"] <= 1 for r in rows[1:])
+    has_score = algorithm not in SGD_FAMILY
+    assert all((key in r) == has_score for r in rows[1:] for key in CLIENT_DIAGNOSTICS)
+    fedact_family = ("fedact", "fedact_local", "fedadamw")
+    assert all(("amplified_fraction" in r) == (algorithm in fedact_family) for r in rows[1:])
+    assert all(("delta_g_norm" in r) == (algorithm in (*fedact_family, "fedlada")) for r in rows[1:])
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["final_test_accuracy"] == rows[-1]["test_accuracy"]
     assert (folder / "config.yaml").read_text().count(f"name: {algorithm}") == 1

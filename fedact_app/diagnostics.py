@@ -1,0 +1,132 @@
+"""Mechanism diagnostics of the seed (Appendix A, "Evaluation metrics"), as plain PyTorch.
+
+Server side, every round, over the S accepted client updates Delta_i (trainable parameters):
+
+    DC^r = (1/S) sum_i cos(Delta_i, Delta_bar),   Delta_bar = (1/S) sum_j Delta_j
+    ||Delta_G^r||_2, the global norm of the correction the server broadcasts next
+
+Client side, on the trust score s = u (.) g of a local step (u: the method's update direction
+before any modulation, g: the stochastic gradient; d coordinates of all trainable tensors):
+
+    PosRatio  = (1/d) #{j : s_j > 0}
+    TopMass_p = sum_{j in Top_p(s)} [s_j]_+ / sum_j [s_j]_+   (Top_p: the ceil(p d) largest s_j;
+                                                                0 when the denominator is 0)
+    amplified fraction = (1/d) #{j : phi_j > 1}   (coordinates ACT steps further than the dense
+                                                   corrected direction; FedACT family only)
+
+The seed averages PosRatio and TopMass_p over all (client, step) pairs of a round; a client here
+samples every ``every``-th local step (a pass over d coordinates each), averages its samples, and
+the server averages over the clients that report them (the same mean when all clients take the
+same steps). Nothing here writes to the optimizer or the model: training is the same with the
+diagnostics on or off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Client statistics: reply metric name -> metrics.jsonl column
+CLIENT_METRICS = {"positive-ratio": "positive_ratio", "top-p-mass": "top_p_mass",
+                  "amplified-fraction": "amplified_fraction"}
+
+
+def direction_consistency(deltas: Sequence[Mapping[str, Tensor]], names: Sequence[str]) -> float:
+    """DC = (1/S) sum_i cos(Delta_i, Delta_bar) over the entries ``names`` (sums in float64; the
+    cosine of a zero vector counts as 0)."""
+    dots = [0.0] * len(deltas)
+    norms = [0.0] * len(deltas)
+    mean_norm = 0.0
+    for name in names:
+        flat = [d[name].detach().reshape(-1).double() for d in deltas]
+        mean = torch.stack(flat).mean(dim=0)
+        mean_norm += float(mean.dot(mean))
+        for i, x in enumerate(flat):
+            dots[i] += float(x.dot(mean))
+            norms[i] += float(x.dot(x))
+    cosines = [dot / math.sqrt(norm * mean_norm) if norm > 0 and mean_norm > 0 else 0.0
+               for dot, norm in zip(dots, norms)]
+    return sum(cosines) / len(cosines)
+
+
+def global_norm(tensors: Mapping[str, Tensor]) -> float:
+    """sqrt(sum_p ||t_p||^2), accumulated in float64."""
+    return math.sqrt(sum(float(t.detach().double().square().sum()) for t in tensors.values()))
+
+
+def trust_score_statistics(scores: Sequence[Tensor], top_p: float) -> tuple[float, float]:
+    """(PosRatio, TopMass_p) of one local step's trust scores, one tensor per parameter."""
+    positive = torch.cat([s.detach().reshape(-1) for s in scores]).clamp_min_(0.0)
+    d = positive.numel()
+    ratio = int(torch.count_nonzero(positive)) / d
+    total = float(positive.sum(dtype=torch.float64))
+    if total == 0.0:
+        return ratio, 0.0
+    k = min(d, math.ceil(round(top_p * d, 9)))  # round: 0.07 * 100 is 7.000000000000001
+    top = float(torch.topk(positive, k, sorted=False).values.sum(dtype=torch.float64))
+    return ratio, top / total
+
+
+def adam_direction(optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+    """(u, g) of the last step of ``torch.optim.Adam``/``AdamW`` for every parameter with a
+    gradient: u = m_hat / (sqrt(v_hat) + eps), the bias-corrected Adam direction (LocalAdam(W))."""
+    pairs = []
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if p.grad is None or not state:
+                continue
+            step = float(state["step"])
+            m_hat = state["exp_avg"] / (1.0 - beta1 ** step)
+            v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** step)
+            pairs.append((m_hat / (v_hat.sqrt() + group["eps"]), p.grad))
+    return pairs
+
+
+class TrustProbe:
+    """The client-side statistics of one round: every ``every``-th local step (``every = 0``:
+    never), the trust score of the method's last step, summarized and averaged over the samples.
+
+    ``direction``: returns the (u, g) pairs of the last step (parameters with a gradient), or None
+    for a method without a trust score. ``amplified``: the last step's amplified fraction, or None.
+    """
+
+    def __init__(self, every: int, top_p: float,
+                 direction: Callable[[], Optional[list[tuple[Tensor, Tensor]]]],
+                 amplified: Callable[[], Optional[float]]) -> None:
+        self.every, self.top_p = every, top_p
+        self.direction, self.amplified = direction, amplified
+        self.samples: dict[str, list[float]] = {key: [] for key in CLIENT_METRICS}
+
+    def after_step(self, local_step: int) -> None:
+        """Called after optimizer step ``local_step`` (1-based)."""
+        if not self.every or local_step % self.every:
+            return
+        pairs = self.direction()
+        if pairs is not None:
+            ratio, mass = trust_score_statistics([u * g for u, g in pairs], self.top_p)
+            self.samples["positive-ratio"].append(ratio)
+            self.samples["top-p-mass"].append(mass)
+        amplified = self.amplified()
+        if amplified is not None:
+            self.samples["amplified-fraction"].append(amplified)
+
+    def summary(self) -> dict[str, float]:
+        """The mean of each statistic over the sampled steps (statistics never sampled are absent)."""
+        return {key: sum(values) / len(values) for key, values in self.samples.items() if values}
+
+
+def mean_client_statistics(client_metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The round's client statistics: each one's mean over the clients that report it, under its
+    metrics.jsonl column name (absent when no client reports it)."""
+    out = {}
+    for key, column in CLIENT_METRICS.items():
+        values = [float(m[key]) for m in client_metrics if key in m]
+        if values:
+            out[column] = sum(values) / len(values)
+    return out
