@@ -7,6 +7,8 @@ Layout of ``<output_dir>/<run name>/``::
     summary.json     final and best test accuracy, rounds, wall time
     model.safetensors  the final global model state
     checkpoints/     round-<r>.safetensors, the newest keep_checkpoints (fedact_app.checkpoint)
+    tensorboard/     every numeric column of metrics.jsonl as TensorBoard scalars (when the
+                     tensorboard package is installed and ``tensorboard: true``)
     client_state/    <partition>.safetensors, state clients keep across rounds (SCAFFOLD c_i)
 
 A resumed run (``resume=...``) gets a new folder whose metrics.jsonl starts with the rows of the
@@ -55,6 +57,8 @@ def _format_row(row: dict, num_rounds: int, elapsed: float) -> str:
         parts.append(f"train loss {row['train_loss']:.4f}")
     if "test_accuracy" in row:
         parts.append(f"test acc {row['test_accuracy']:.4f} loss {row['test_loss']:.4f}")
+    if "direction_consistency" in row:
+        parts.append(f"DC {row['direction_consistency']:.3f}")
     if "lr" in row:
         parts.append(f"lr {row['lr']:.2e}")
     if "seconds" in row:
@@ -69,6 +73,18 @@ def _format_row(row: dict, num_rounds: int, elapsed: float) -> str:
     return " | ".join(parts)
 
 
+def tensorboard_writer(run_dir: Path, enabled: bool):
+    """A ``SummaryWriter`` on ``<run_dir>/tensorboard``, or None when off or tensorboard is missing."""
+    if not enabled:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log(INFO, "tensorboard is not installed: no TensorBoard scalars (pip install tensorboard)")
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
 class RunRecorder:
     """Writes one run's folder; ``record_round`` is called once per round by the strategy loop."""
 
@@ -76,18 +92,30 @@ class RunRecorder:
         """``earlier_rows``: the rows of the run this one resumes (fedact_app.checkpoint), written first."""
         self.run_dir = run_dir
         self.num_rounds = cfg.num_rounds
-        self.rows: list[dict] = list(earlier_rows)
+        self.rows: list[dict] = []
         self.started = time.perf_counter()
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        self.metrics_path.write_text("")
+        self.tensorboard = tensorboard_writer(run_dir, cfg.tensorboard)
+        for row in earlier_rows:
+            self._store(row)
         log(INFO, "FedACT run folder: %s", run_dir)
 
-    def record_round(self, row: dict) -> None:
+    def _store(self, row: dict) -> dict:
         row = {"round": row["round"], **{k: v for k, v in row.items() if k != "round"}}
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "round" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, row["round"])
+            self.tensorboard.flush()
+        return row
+
+    def record_round(self, row: dict) -> None:
+        row = self._store(row)
         log(INFO, "%s", _format_row(row, self.num_rounds, time.perf_counter() - self.started))
 
     def finish(self, state: TensorDict) -> dict:
@@ -103,6 +131,8 @@ class RunRecorder:
             "run_dir": str(self.run_dir),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         log(INFO, "Done: final test accuracy %.4f (best %.4f, initial %.4f) in %.0f s -> %s",
             summary["final_test_accuracy"], summary["best_test_accuracy"],
             summary["initial_test_accuracy"], summary["seconds"], self.run_dir)

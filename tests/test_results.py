@@ -1,0 +1,53 @@
+"""The run folder: metrics.jsonl rows, the live progress line, TensorBoard scalars, the summary."""
+
+import json
+import logging
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from fedact_app.config import compose
+from fedact_app.results import RunRecorder, _format_row
+
+ROWS = [
+    {"round": 0, "test_loss": 2.3, "test_accuracy": 0.1},
+    {"round": 1, "train_loss": 2.0, "lr": 3e-4, "test_loss": 1.5, "test_accuracy": 0.4, "seconds": 2.0,
+     "direction_consistency": 0.31, "positive_ratio": 0.52, "clients": 2},
+    {"round": 2, "train_loss": 1.2, "lr": 1e-4, "test_loss": 1.0, "test_accuracy": 0.6, "seconds": 3.0,
+     "direction_consistency": 0.45, "positive_ratio": 0.55, "clients": 2},
+]
+
+
+def test_progress_line_shows_round_loss_accuracy_dc_time_and_eta():
+    line = _format_row(ROWS[1], num_rounds=4, elapsed=10.0)
+    assert line.startswith("round 1/4 | train loss 2.0000 | test acc 0.4000 loss 1.5000 | DC 0.310")
+    assert "2.0 s" in line and "elapsed 10 s, eta 30 s" in line  # 10 s per round, 3 rounds to go
+
+
+def test_recorder_writes_rows_tensorboard_scalars_and_summary(tmp_path, caplog):
+    cfg = compose(["num_rounds=2"])
+    recorder = RunRecorder(tmp_path, cfg, earlier_rows=ROWS[:1])  # as when resuming after round 0
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        for row in ROWS[1:]:
+            recorder.record_round(row)
+    summary = recorder.finish({"w": torch.zeros(2)})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == ROWS
+    assert summary["final_test_accuracy"] == 0.6 and summary["best_test_accuracy"] == 0.6
+    assert summary["initial_test_accuracy"] == 0.1
+    assert "round 2/2" in caplog.text and "DC 0.450" in caplog.text
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"test_accuracy", "direction_consistency", "positive_ratio", "train_loss"} <= set(scalars)
+    assert [(e.step, e.value) for e in events.Scalars("test_accuracy")] == \
+        [(0, pytest.approx(0.1)), (1, pytest.approx(0.4)), (2, pytest.approx(0.6))]
+    assert [e.step for e in events.Scalars("direction_consistency")] == [1, 2]
+
+
+def test_tensorboard_can_be_switched_off(tmp_path):
+    recorder = RunRecorder(tmp_path, compose(["tensorboard=false"]))
+    recorder.record_round(ROWS[0])
+    assert not (tmp_path / "tensorboard").exists()
