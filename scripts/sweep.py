@@ -23,11 +23,12 @@ The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
     <job>/          Hydra's job folder: .hydra/ (the job's config and overrides), result.json,
                     flower.log (the run's log) and the run folder <time>_<algorithm>_..._s<seed>/
 
-``status`` is ``completed``, ``failed`` (the run did not finish as completed; ``error`` has the
-reason), ``timed out``, ``invalid config`` or ``launch error``. The summary is rebuilt from the
-jobs' ``result.json`` after every job, so it is complete also with a parallel Hydra launcher. With
-the default launcher the script exits 1 when any combination did not complete. The app's
-``output_dir`` is set to the job folder by the sweep.
+After each job the script prints ``[sweep] <done>/<total> job <n>: <status> (<overrides>)``: the
+jobs finished so far and the number of combinations. ``status`` is ``completed``, ``failed`` (the
+run did not finish as completed; ``error`` has the reason), ``timed out``, ``invalid config`` or
+``launch error``. The summary is rebuilt from the jobs' ``result.json`` after every job, so it is
+complete also with a parallel Hydra launcher. With the default launcher the script exits 1 when any
+combination did not complete. The app's ``output_dir`` is set to the job folder by the sweep.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 import hydra  # noqa: E402
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from fedact_app.config import CONF_DIR, to_config  # noqa: E402  (also registers the schema)
 from fedact_app.launch import run_simulation  # noqa: E402
@@ -155,6 +158,17 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def sweep_size(sweep_dir: Path) -> int:
+    """How many combinations the sweep has: Hydra's basic sweeper expands ``hydra.sweeper.params``
+    (an ``experiment=`` preset's grid) and the command line's overrides, as saved in
+    ``multirun.yaml`` before the first job, the same way here."""
+    saved = OmegaConf.load(sweep_dir / "multirun.yaml").hydra
+    arguments = [f"{key}={value}" for key, value in (saved.sweeper.params or {}).items()]
+    arguments += list(saved.overrides.task)
+    overrides = OverridesParser.create().parse_overrides(arguments)
+    return sum(len(batch) for batch in BasicSweeper.split_arguments(overrides, max_batch_size=None))
+
+
 # ------------------------------------------------------------------ Hydra entry point
 
 LAUNCH = LaunchOptions()
@@ -169,9 +183,10 @@ def main(cfg: DictConfig) -> None:
     overrides = list(hc.overrides.task)
     row = run_combination(cfg, overrides, job_dir, LAUNCH)
     (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
-    write_summary(sweep_dir)
+    rows = write_summary(sweep_dir)
     SWEEP_DIRS.add(sweep_dir)
-    print(f"[sweep] job {row['job']}: {row['status']} ({row['overrides']})"
+    done, total = (len(rows), sweep_size(sweep_dir)) if hc.mode == RunMode.MULTIRUN else (1, 1)
+    print(f"[sweep] {done}/{total} job {row['job']}: {row['status']} ({row['overrides']})"
           + (f" final test accuracy {row['final_test_accuracy']:.4f}"
              if row["final_test_accuracy"] is not None else ""), flush=True)
 

@@ -33,3 +33,9 @@ def test_bench_round_quick_prints_the_split_and_the_ratio():
                 "idle / overhead", "plain PyTorch loop round"):
         assert re.search(rf"^ *{re.escape(row)}.* +\d+\.\d+", out, re.M), (row, out)
     assert re.search(r"^ratio Flower / plain loop: \d+\.\d+$", out, re.M), out
+
+
+def test_bench_diagnostics_quick_prints_the_ratio_to_diagnostics_off():
+    out = run_script("bench_diagnostics.py", "--quick", timeout=180)
+    assert re.search(r"^off \(trust_every=0\) +\d+\.\d+ +1\.000$", out, re.M), out
+    assert re.search(r"^trust_every=10 +\d+\.\d+ +\d+\.\d+$", out, re.M), out
