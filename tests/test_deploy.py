@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# The module fixture starts a cluster and runs it in the first test's setup: allow for all of it.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "scripts" / "deploy"

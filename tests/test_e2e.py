@@ -15,6 +15,10 @@ import pytest
 from fedact_app.algorithms import ALGORITHMS
 from fedact_app.launch import run_simulation
 
+# The module fixture runs every selected job inside the first test's setup, which pytest-timeout
+# counts against that test: allow for all of them on a slow 2-core machine (about 12 runs of
+# 40-120 s each, three at a time), not for one.
+pytestmark = pytest.mark.timeout(2400)
 APP_DIR = Path(__file__).resolve().parents[1]
 PARALLEL_RUNS = 3
 SHORT = "num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=10"

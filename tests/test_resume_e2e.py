@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from fedact_app.launch import run_simulation
 
+# The module fixture's runs all happen in the first test's setup (see tests/test_e2e.py).
+pytestmark = pytest.mark.timeout(1800)
 APP_DIR = Path(__file__).resolve().parents[1]
 PARALLEL_RUNS = 3
 BASE = ("num_rounds=4 num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=3 batch_size=16 "
