@@ -146,8 +146,8 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     trainer, partition_id, num_partitions = node_trainer(context)
-    stats = trainer.evaluate_local(msg.content["model"].to_torch_state_dict(),
-                                   partition_id=partition_id, num_partitions=num_partitions)
-    metrics = MetricRecord({"num-examples": stats.num_examples, "test-loss": stats.loss,
-                            "test-accuracy": stats.accuracy})
-    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+    metrics, num_examples = trainer.evaluate_local(msg.content["model"].to_torch_state_dict(),
+                                                   partition_id=partition_id, num_partitions=num_partitions)
+    record = MetricRecord({"num-examples": num_examples,
+                           **{key.replace("_", "-"): value for key, value in metrics.items()}})
+    return Message(content=RecordDict({"metrics": record}), reply_to=msg)

@@ -21,11 +21,10 @@ from flwr.common import log
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorDict
 from fedact_app.config import Config, PartitionConfig, compose
-from fedact_app.data import (BatchStream, ImageTensors, batch_generator, load_client_train, load_test,
-                             partition_indices, test_batches)
+from fedact_app.data import batch_generator, load_client_train
 from fedact_app.diagnostics import TrustProbe
-from fedact_app.models import build_model
-from fedact_app.train import EvalStats, evaluate, memory_format, resolve_device, train_steps
+from fedact_app.tasks.base import build_task
+from fedact_app.train import memory_format, resolve_device, train_steps
 from fedact_app.wire import from_wire
 
 
@@ -45,27 +44,25 @@ def _to_cpu(arrays: dict[str, TensorDict]) -> dict[str, TensorDict]:
 
 
 class ClientTrainer:
-    """Model, local optimizer and method rule of one process."""
+    """Model, local optimizer and method rule of one process, around the run's ``Task``."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.model = build_model(cfg.model, cfg.dataset).to(self.device,
-                                                             memory_format=memory_format(cfg.channels_last))
+        self.task = build_task(cfg)
+        self.model = self.task.build_model().to(self.device, memory_format=memory_format(cfg.channels_last))
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.shared = set(self.task.shared_names(self.model))
         self.rule = ALGORITHMS[cfg.algorithm.name].local(cfg.algorithm)
         self.optimizer = self.rule.make_optimizer(self.named_params)
-        self._train_data: dict[tuple[int, int], ImageTensors] = {}
-
-    def train_data(self, partition_id: int, num_partitions: int) -> ImageTensors:
-        """This client's partition, resident on the training device (cached per process)."""
-        key = (partition_id, num_partitions)
-        if key not in self._train_data:
-            self._train_data[key] = load_client_train(self.cfg, partition_id, num_partitions).to(self.device)
-        return self._train_data[key]
 
     def load_global(self, state: TensorDict) -> None:
-        self.model.load_state_dict(state)
+        """Load the shared entries (``Task.shared_names``); a state with others or without all of
+        them is refused."""
+        if set(state) != self.shared:
+            raise ValueError(f"The global state has {len(state)} entries, the task shares "
+                             f"{len(self.shared)} (e.g. {sorted(set(state) ^ self.shared)[:3]})")
+        self.model.load_state_dict(state, strict=False)
 
     def train_round(self, state: TensorDict, received: dict[str, TensorDict], *, partition_id: int,
                     num_partitions: int, server_round: int, lr: float, local_steps: int,
@@ -79,13 +76,12 @@ class ClientTrainer:
         inputs = RoundInputs(received, client_state or {}, global_step)
         self.rule.begin_round(self.optimizer, self.named_params, inputs.to(self.device))
         generator = batch_generator(self.cfg.seed, server_round, partition_id, self.device)
-        batches = BatchStream(self.train_data(partition_id, num_partitions), self.cfg.batch_size,
-                              self.cfg.dataset.augment, generator)
+        batches = self.task.train_batches(partition_id, num_partitions, self.device, generator)
         probe = TrustProbe(self.cfg.diagnostics.trust_every, self.cfg.diagnostics.top_p,
                            direction=lambda: self.rule.last_step_direction(self.optimizer),
                            amplified=lambda: self.rule.amplified_fraction(self.optimizer))
         stats = train_steps(self.model, self.optimizer, batches, local_steps, self.cfg.precision,
-                            self.cfg.channels_last, after_step=probe.after_step)
+                            after_step=probe.after_step, loss_fn=self.task.loss)
         new_state = self.model.state_dict()
         delta = {name: new_state[name].detach().cpu() - state[name] for name in state}
         lr_sum = lr * local_steps
@@ -94,16 +90,11 @@ class ClientTrainer:
                               num_examples=stats.num_examples, arrays=_to_cpu(local.arrays))
         return RoundResult(update, stats.loss, _to_cpu(local.client_state), probe.summary())
 
-    def evaluate_local(self, state: TensorDict, *, partition_id: int, num_partitions: int) -> EvalStats:
-        """The global model on this client's share of the test set (an IID split of it)."""
+    def evaluate_local(self, state: TensorDict, *, partition_id: int,
+                       num_partitions: int) -> tuple[dict[str, float], int]:
+        """The global model on this client's share of the held-out data: metrics and its size."""
         self.load_global(state)
-        test = load_test(self.cfg)
-        indices = partition_indices(test.labels.numpy(), num_partitions, PartitionConfig(name="iid"),
-                                    self.cfg.seed)[partition_id]
-        index = torch.as_tensor(indices, dtype=torch.long)
-        local = ImageTensors(test.images[index], test.labels[index]).to(self.device)
-        return evaluate(self.model, test_batches(local, self.cfg.eval_batch_size), self.cfg.precision,
-                        self.cfg.channels_last)
+        return self.task.evaluate_client(self.model, partition_id, num_partitions, self.device)
 
 
 @functools.lru_cache(maxsize=2)
@@ -122,5 +113,5 @@ def trainer_for(overrides: str, data_path: str | None = None) -> ClientTrainer:
                               partition=PartitionConfig(name="iid"))
     trainer = ClientTrainer(cfg)
     log(INFO, "SuperNode data: data-path=%s, %d training examples", data_path,
-        len(trainer.train_data(0, 1)))
+        len(load_client_train(trainer.cfg, 0, 1)))
     return trainer

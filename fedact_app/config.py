@@ -210,6 +210,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    task: str = "vision"  # what is trained (fedact_app.tasks.base.TASKS)
     num_rounds: int = 5
     num_clients: int = 10
     fraction_train: float = 0.5
@@ -243,6 +244,9 @@ class Config:
         _require(self.min_train_nodes <= self.num_clients, "min_train_nodes", self.min_train_nodes,
                  f"<= num_clients ({self.num_clients})")
         _require(self.round_timeout > 0, "round_timeout", self.round_timeout, "> 0")
+        from fedact_app.tasks.base import TASKS  # registry of task names
+
+        _require_choice("task", self.task, tuple(TASKS))
         _require_choice("device", self.device, DEVICES)
         _require_choice("precision", self.precision, PRECISIONS)
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)

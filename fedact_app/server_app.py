@@ -14,33 +14,30 @@ from flwr.serverapp import Grid, ServerApp
 from fedact_app.algorithms import ALGORITHMS, TensorDict
 from fedact_app.checkpoint import Checkpointer, client_round_config, open_resume, restore, snapshot
 from fedact_app.config import Config, compose
-from fedact_app.data import load_test, test_batches, train_labels
-from fedact_app.preflight import check_partitions
-from fedact_app.models import build_model
 from fedact_app.results import RunRecorder, create_run_dir
 from fedact_app.strategy import AlgorithmStrategy
-from fedact_app.train import cosine_lr, evaluate, memory_format, resolve_device
+from fedact_app.tasks.base import Task, build_task
+from fedact_app.train import cosine_lr, memory_format, resolve_device
 
 app = ServerApp()
 
 
 class CentralEvaluator:
-    """Test-set accuracy of the global model at round 0, every ``eval_every`` rounds and the last."""
+    """The task's held-out metrics of the global model at round 0, every ``eval_every`` rounds
+    and the last."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
+    def __init__(self, cfg: Config, task: Task, model: torch.nn.Module) -> None:
         self.cfg = cfg
+        self.task = task
         self.device = resolve_device(cfg.device)
         self.model = model.to(self.device, memory_format=memory_format(cfg.channels_last))
-        self.test = load_test(cfg).to(self.device)
 
     def __call__(self, server_round: int, state: TensorDict) -> dict | None:
         due = server_round % self.cfg.eval_every == 0 or server_round == self.cfg.num_rounds
         if not due:
             return None
-        self.model.load_state_dict(state)
-        stats = evaluate(self.model, test_batches(self.test, self.cfg.eval_batch_size), self.cfg.precision,
-                         self.cfg.channels_last)
-        return {"test_loss": stats.loss, "test_accuracy": stats.accuracy}
+        self.model.load_state_dict(state, strict=False)  # the shared entries (Task.shared_names)
+        return self.task.evaluate(self.model, self.device)
 
 
 def seed_everything(seed: int) -> None:
@@ -53,15 +50,17 @@ def seed_everything(seed: int) -> None:
 def main(grid: Grid, context: Context) -> None:
     cfg = compose(str(context.run_config.get("overrides", "")))
     resume = open_resume(cfg)
-    check_partitions(cfg, train_labels(cfg))
+    task = build_task(cfg)
+    task.check_data()
     seed_everything(cfg.seed)
-    model = build_model(cfg.model, cfg.dataset)
-    initial_state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    model = task.build_model()
+    full_state = model.state_dict()
+    initial_state = {name: full_state[name].detach().clone() for name in task.shared_names(model)}
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
 
-    evaluator = CentralEvaluator(cfg, model)
+    evaluator = CentralEvaluator(cfg, task, model)
     recorder = RunRecorder(create_run_dir(cfg), cfg, earlier_rows=resume[1].rows if resume else ())
     checkpointer = Checkpointer(recorder.run_dir, cfg, resume[1].clients if resume else None)
     algorithm = cfg.algorithm

@@ -233,9 +233,10 @@ class AlgorithmStrategy(Strategy):
         total = sum(int(m["num-examples"]) for m in rows)
         if total == 0:
             return None
+        keys = [key for key in rows[0] if key != "num-examples"]  # one task: the same metrics everywhere
         return MetricRecord({f"client_{key.replace('-', '_')}":
                              sum(float(m[key]) * int(m["num-examples"]) for m in rows) / total
-                             for key in ("test-loss", "test-accuracy")})
+                             for key in keys})
 
     def summary(self) -> None:
         log(INFO, "AlgorithmStrategy(%s): fraction_train=%.2f min_train_nodes=%d K=%d",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -44,31 +45,42 @@ class TrainStats:
     num_examples: int  # examples processed (steps x batch)
 
 
+def classification_loss(model: nn.Module, batch: tuple[Tensor, Tensor],
+                        channels_last: bool = False) -> tuple[Tensor, int]:
+    """Cross-entropy of an (images, labels) batch, and its number of examples."""
+    images, labels = batch
+    logits = model(images.contiguous(memory_format=memory_format(channels_last)))
+    return F.cross_entropy(logits, labels), labels.shape[0]
+
+
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int,
                 precision: str = "fp32", channels_last: bool = False,
-                after_step: Callable[[int], None] | None = None) -> TrainStats:
+                after_step: Callable[[int], None] | None = None,
+                loss_fn: Callable[[nn.Module, object], tuple[Tensor, int]] | None = None) -> TrainStats:
     """Run ``steps`` optimizer steps on batches drawn from ``batches.next_batch()``.
 
-    The loss is summed on the device and read once at the end (no host sync per step).
-    ``precision``/``channels_last``: see :func:`autocast` and ``Config.channels_last``.
-    ``after_step(k)`` runs after the k-th step (1-based), the gradients still in place.
+    ``loss_fn(model, batch) -> (loss, examples)`` (default: :func:`classification_loss`) runs
+    under ``precision`` (:func:`autocast`). The loss is summed on the device and read once at the
+    end (no host sync per step). ``after_step(k)`` runs after the k-th step (1-based), the
+    gradients still in place.
     """
+    if loss_fn is None:
+        loss_fn = functools.partial(classification_loss, channels_last=channels_last)
     model.train()
     loss_sum = None
     num_examples = 0
     device = next(model.parameters()).device
-    layout = memory_format(channels_last)
     for step in range(1, steps + 1):
-        images, labels = batches.next_batch()
+        batch = batches.next_batch()
         with autocast(device, precision):
-            loss = F.cross_entropy(model(images.contiguous(memory_format=layout)), labels)
+            loss, examples = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         if after_step is not None:
             after_step(step)
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        num_examples += labels.shape[0]
+        num_examples += examples
     return TrainStats(loss=float(loss_sum) / steps, num_examples=num_examples)
 
 
