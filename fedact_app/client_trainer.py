@@ -76,7 +76,7 @@ class ClientTrainer:
         inputs = RoundInputs(received, client_state or {}, global_step)
         self.rule.begin_round(self.optimizer, self.named_params, inputs.to(self.device))
         generator = batch_generator(self.cfg.seed, server_round, partition_id, self.device)
-        batches = self.task.train_batches(partition_id, num_partitions, self.device, generator)
+        batches = self.task.train_batches(partition_id, num_partitions, server_round, self.device, generator)
         probe = TrustProbe(self.cfg.diagnostics.trust_every, self.cfg.diagnostics.top_p,
                            direction=lambda: self.rule.last_step_direction(self.optimizer),
                            amplified=lambda: self.rule.amplified_fraction(self.optimizer))

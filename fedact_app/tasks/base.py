@@ -42,9 +42,10 @@ class Task(ABC):
         """Checks of the config against the data, run on the server before round 1 (none by default)."""
 
     @abstractmethod
-    def train_batches(self, partition_id: int, num_partitions: int, device: torch.device,
-                      generator: torch.Generator) -> BatchSource:
-        """The training batches of one client; all randomness from ``generator`` (on ``device``)."""
+    def train_batches(self, partition_id: int, num_partitions: int, server_round: int,
+                      device: torch.device, generator: torch.Generator) -> BatchSource:
+        """The training batches of one client in ``server_round``; all randomness from
+        ``generator`` (on ``device``, seeded from the run's seed, the round and the partition)."""
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, int]:

@@ -34,8 +34,8 @@ class VisionTask(Task):
             self._resident[key] = load().to(device)
         return self._resident[key]
 
-    def train_batches(self, partition_id: int, num_partitions: int, device: torch.device,
-                      generator: torch.Generator) -> BatchStream:
+    def train_batches(self, partition_id: int, num_partitions: int, server_round: int,
+                      device: torch.device, generator: torch.Generator) -> BatchStream:
         data = self._on_device(("train", partition_id, num_partitions, str(device)),
                                lambda: load_client_train(self.cfg, partition_id, num_partitions), device)
         return BatchStream(data, self.cfg.batch_size, self.cfg.dataset.augment, generator)
