@@ -1,7 +1,8 @@
-"""Language tasks: what is trained for Llama pre-training (:mod:`.llama`), LoRA instruction tuning
-(:mod:`.sft`) and LoRA preference optimisation (:mod:`.dpo`), with their shared tokenizers
+"""What a run trains: the ``Task`` interface (:mod:`.base`), image classification (:mod:`.vision`),
+and the language tasks' building blocks - Llama pre-training (:mod:`.llama`), LoRA instruction
+tuning (:mod:`.sft`) and LoRA preference optimisation (:mod:`.dpo`), with their shared tokenizers
 (:mod:`.tokenizers`), text data (:mod:`.text_data`) and LoRA wrapping (:mod:`.lora`).
 
 Plain PyTorch / transformers / peft; nothing here knows Flower or the federated algorithms
-(see docs/LANGUAGE.md).
+(language tasks: docs/LANGUAGE.md).
 """
