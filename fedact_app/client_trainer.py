@@ -16,7 +16,6 @@ import functools
 from dataclasses import dataclass
 from logging import INFO
 
-import torch
 from flwr.common import log
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorDict
