@@ -49,7 +49,8 @@ RESUME_KEY = "resume-checkpoint"  # round-config key: the checkpoint clients res
 METADATA_KEY = "fedact"
 # Keys that must match between a checkpoint's config and the resuming run's (num_rounds may grow).
 COMPATIBLE_KEYS = ("algorithm", "model", "dataset", "partition", "seed", "num_clients", "local_steps",
-                   "batch_size")
+                   "batch_size", "task", "language")
+NEWER_KEYS = ("task", "language")  # absent from older checkpoints (vision runs): taken as the current values
 
 
 # ---------------------------------------------------------------- atomic files
@@ -194,6 +195,7 @@ def check_compatible(ckpt: Checkpoint, cfg: Config, source: Path) -> None:
     """The resuming run must train the same problem the same way; ``num_rounds`` may grow."""
     saved = OmegaConf.to_container(OmegaConf.create(ckpt.config))
     current = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+    saved.update({key: current.get(key) for key in NEWER_KEYS if key not in saved and cfg.task == "vision"})
     differ = [key for key in COMPATIBLE_KEYS if saved.get(key) != current.get(key)]
     if differ:
         details = "; ".join(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}" for key in differ)

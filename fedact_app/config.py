@@ -21,8 +21,19 @@ from omegaconf import OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "tiny_imagenet", "fashion_mnist")
-MODELS = ("cnn_small", "vit_tiny", "swin_lite", "resnet18")
+VISION_DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "tiny_imagenet", "fashion_mnist")
+VISION_MODELS = ("cnn_small", "vit_tiny", "swin_lite", "resnet18")
+LLAMA_MODELS = ("llama_60m", "llama_130m", "llama_250m", "llama_tiny")  # fedact_app.tasks.llama.PRESETS
+LORA_MODELS = ("lora_causal_lm",)  # a causal LM (model.base) with LoRA adapters (fedact_app.tasks.lora)
+# task -> (its datasets, its models): the combinations Config accepts
+TASK_CHOICES = {
+    "vision": (VISION_DATASETS, VISION_MODELS),
+    "lm_pretrain": (("c4", "text"), LLAMA_MODELS),
+    "sft": (("alpaca_gpt4",), LORA_MODELS),
+    "dpo": (("hh_rlhf",), LORA_MODELS),
+}
+DATASETS = tuple(dict.fromkeys(d for datasets, _ in TASK_CHOICES.values() for d in datasets))
+MODELS = tuple(dict.fromkeys(m for _, models in TASK_CHOICES.values() for m in models))
 PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
@@ -62,9 +73,15 @@ class DatasetConfig:
     augment: bool = True  # train only: random crop (pad image_size // 8) + horizontal flip
     num_train: int = 2000  # synthetic only
     num_test: int = 500  # synthetic only
+    hub_config: Optional[str] = None  # language: the hub dataset's config name (c4: en)
+    validation_fraction: float = 0.05  # language, local data: every round(1/f)-th document/record held out
 
     def __post_init__(self) -> None:
         _require_choice("dataset.name", self.name, DATASETS)
+        _require(0 < self.validation_fraction < 1, "dataset.validation_fraction", self.validation_fraction,
+                 "in (0, 1)")
+        _require(self.name != "text" or bool(self.path), "dataset.path", self.path,
+                 "a local .txt file or folder of *.txt files for dataset=text")
         _require(self.num_classes >= 2, "dataset.num_classes", self.num_classes, ">= 2")
         _require(self.image_size >= 1, "dataset.image_size", self.image_size, ">= 1")
         _require(self.channels in (1, 3), "dataset.channels", self.channels, "1 or 3")
@@ -76,14 +93,56 @@ class DatasetConfig:
 
 
 @dataclass
+class LoraModelConfig:
+    """LoRA adapters of ``model=lora_causal_lm`` (fedact_app.tasks.lora): update (alpha/rank) B A."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the seed's "scaling factor"
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 1, "model.lora.rank", self.rank, ">= 1")
+        _require(self.alpha > 0, "model.lora.alpha", self.alpha, "> 0")
+        _require(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "in [0, 1)")
+        _require(len(self.target_modules) >= 1, "model.lora.target_modules", self.target_modules,
+                 "at least one module name")
+
+
+@dataclass
 class ModelConfig:
-    """What is trained (``conf/model/*.yaml``); ``kwargs`` go to the model's builder in models.py."""
+    """What is trained (``conf/model/*.yaml``); ``kwargs`` go to the model's builder in models.py
+    (vision). Language models: ``tokenizer`` (null: the base's own, or ``t5-base`` / ``bytes`` for
+    the Llama presets), ``base`` and ``lora`` (``lora_causal_lm`` only)."""
 
     name: str = "cnn_small"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Optional[str] = None  # language: "bytes", a trained BPE .json, a hub name or local folder
+    base: Optional[str] = None  # lora_causal_lm: hub name, local folder or a Llama preset (llama_tiny)
+    lora: LoraModelConfig = field(default_factory=LoraModelConfig)
 
     def __post_init__(self) -> None:
         _require_choice("model.name", self.name, MODELS)
+        _require(self.name not in LORA_MODELS or bool(self.base), "model.base", self.base,
+                 f"a hub name, local folder or Llama preset for model={self.name}")
+
+
+@dataclass
+class LanguageConfig:
+    """Settings of the language tasks (``task=lm_pretrain|sft|dpo``; docs/LANGUAGE.md)."""
+
+    seq_len: int = 1024  # lm_pretrain: tokens per packed training/validation sequence
+    max_length: int = 512  # sft/dpo: tokens per sequence (prompt + response), cut on the right
+    max_prompt_length: int = 256  # dpo: prompt tokens kept (its last ones) when a pair is too long
+    eval_batches: int = 16  # held-out batches (of batch_size sequences or pairs) the server evaluates
+    dpo_beta: float = 0.1  # dpo: implicit reward r = beta (log pi - log ref)
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 2, "language.seq_len", self.seq_len, ">= 2")
+        _require(self.max_length >= 2, "language.max_length", self.max_length, ">= 2")
+        _require(self.max_prompt_length >= 1, "language.max_prompt_length", self.max_prompt_length, ">= 1")
+        _require(self.eval_batches >= 1, "language.eval_batches", self.eval_batches, ">= 1")
+        _require(self.dpo_beta > 0, "language.dpo_beta", self.dpo_beta, "> 0")
 
 
 @dataclass
@@ -210,6 +269,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    language: LanguageConfig = field(default_factory=LanguageConfig)
     task: str = "vision"  # what is trained (fedact_app.tasks.base.TASKS)
     num_rounds: int = 5
     num_clients: int = 10
@@ -247,6 +307,7 @@ class Config:
         from fedact_app.tasks.base import TASKS  # registry of task names
 
         _require_choice("task", self.task, tuple(TASKS))
+        self._require_task_combination()
         _require_choice("device", self.device, DEVICES)
         _require_choice("precision", self.precision, PRECISIONS)
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
@@ -264,6 +325,20 @@ class Config:
                  debug.fail_rounds, f"rounds in [1, num_rounds={self.num_rounds}]")
         _require(bool(debug.fail_partitions) == bool(debug.fail_rounds), "debug.fail_rounds",
                  debug.fail_rounds, "non-empty exactly when debug.fail_partitions is")
+
+    def _require_task_combination(self) -> None:
+        """The dataset and the model must be ones of the task (TASK_CHOICES)."""
+        combinations = "; ".join(f"task={task}: dataset in {{{', '.join(d)}}}, model in {{{', '.join(m)}}}"
+                                 for task, (d, m) in TASK_CHOICES.items())
+        datasets, models = TASK_CHOICES[self.task]
+        for key, value, allowed in (("dataset.name", self.dataset.name, datasets),
+                                    ("model.name", self.model.name, models)):
+            _require(value in allowed, key, value,
+                     f"one of {', '.join(allowed)} for task={self.task} (the combinations: {combinations})")
+        language = self.language
+        if self.task == "dpo":
+            _require(language.max_prompt_length < language.max_length, "language.max_prompt_length",
+                     language.max_prompt_length, f"< language.max_length ({language.max_length}) for task=dpo")
 
 
 ConfigStore.instance().store(name="schema", node=Config)

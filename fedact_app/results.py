@@ -4,7 +4,8 @@ Layout of ``<output_dir>/<run name>/``::
 
     config.yaml      the resolved configuration
     metrics.jsonl    one JSON object per round (round 0 = the initial model)
-    summary.json     final and best test accuracy, rounds, wall time
+    summary.json     final and best test accuracy (language tasks: perplexity or preference
+                     accuracy), rounds, wall time
     model.safetensors  the final global model state
     checkpoints/     round-<r>.safetensors, the newest keep_checkpoints (fedact_app.checkpoint)
     tensorboard/     every numeric column of metrics.jsonl as TensorBoard scalars (when the
@@ -35,6 +36,8 @@ from fedact_app.config import Config, to_yaml
 def run_name(cfg: Config) -> str:
     """``<time>_<algorithm>_<dataset>_<model>_<partition>_s<seed>``, e.g. ..._dir0.1_s42."""
     partition = f"dir{cfg.partition.alpha:g}" if cfg.partition.name == "dirichlet" else cfg.partition.name
+    if cfg.task != "vision":  # language data is sharded round-robin, not by partition
+        partition = cfg.task
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"{stamp}_{cfg.algorithm.name}_{cfg.dataset.name}_{cfg.model.name}_{partition}_s{cfg.seed}"
 
@@ -57,6 +60,10 @@ def _format_row(row: dict, num_rounds: int, elapsed: float) -> str:
         parts.append(f"train loss {row['train_loss']:.4f}")
     if "test_accuracy" in row:
         parts.append(f"test acc {row['test_accuracy']:.4f} loss {row['test_loss']:.4f}")
+    elif "test_preference_accuracy" in row:
+        parts.append(f"test pref acc {row['test_preference_accuracy']:.4f} loss {row['test_loss']:.4f}")
+    elif "test_perplexity" in row:
+        parts.append(f"test ppl {row['test_perplexity']:.3f} loss {row['test_loss']:.4f}")
     if "direction_consistency" in row:
         parts.append(f"DC {row['direction_consistency']:.3f}")
     if "lr" in row:
@@ -71,6 +78,20 @@ def _format_row(row: dict, num_rounds: int, elapsed: float) -> str:
     if row.get("missing"):
         parts.append(f"no reply {row['missing']}")
     return " | ".join(parts)
+
+
+# language tasks' main metric when there is no test_accuracy: (key, the better of two values)
+MAIN_METRICS = (("test_preference_accuracy", max), ("test_perplexity", min))
+
+
+def main_metric_summary(rows: Sequence[dict]) -> dict[str, float]:
+    """``initial_``/``final_``/``best_<metric>`` of the first of MAIN_METRICS the rows report
+    (best = highest preference accuracy, lowest perplexity); {} when none."""
+    for key, better in MAIN_METRICS:
+        values = [r[key] for r in rows if key in r]
+        if values:
+            return {f"initial_{key}": values[0], f"final_{key}": values[-1], f"best_{key}": better(values)}
+    return {}
 
 
 def tensorboard_writer(run_dir: Path, enabled: bool):
@@ -130,10 +151,13 @@ class RunRecorder:
             "best_test_accuracy": max((r["test_accuracy"] for r in evaluated), default=math.nan),
             "run_dir": str(self.run_dir),
         }
+        if not evaluated:  # language tasks: their main metric instead (docs/LANGUAGE.md)
+            summary.update(main_metric_summary(self.rows))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.close()
-        log(INFO, "Done: final test accuracy %.4f (best %.4f, initial %.4f) in %.0f s -> %s",
-            summary["final_test_accuracy"], summary["best_test_accuracy"],
-            summary["initial_test_accuracy"], summary["seconds"], self.run_dir)
+        key = next((k for k, _ in MAIN_METRICS if f"final_{k}" in summary), "test_accuracy")
+        log(INFO, "Done: final %s %.4f (best %.4f, initial %.4f) in %.0f s -> %s", key.replace("_", " "),
+            summary[f"final_{key}"], summary[f"best_{key}"], summary[f"initial_{key}"], summary["seconds"],
+            self.run_dir)
         return summary

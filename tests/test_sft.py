@@ -48,6 +48,8 @@ def test_labels_mask_the_prompt_and_keep_the_response_and_eos():
     assert labels == [IGNORE_INDEX] * len(prompt_ids) + [ord("h"), ord("i"), 258]
     short_ids, short_labels = sft.encode_example(EXAMPLES[1], tok, max_length=len(prompt_ids) + 1)
     assert short_ids == prompt_ids + [ord("h")] and short_labels[-1] == ord("h")
+    with pytest.raises(ValueError, match="language.max_length"):  # no response token left: not silent
+        sft.encode_example(EXAMPLES[1], tok, max_length=len(prompt_ids))
 
 
 def test_local_alpaca_files_and_offline_hub_error(tmp_path):

@@ -1,5 +1,5 @@
 """What a run trains: the ``Task`` interface (:mod:`.base`), image classification (:mod:`.vision`),
-and the language tasks' building blocks - Llama pre-training (:mod:`.llama`), LoRA instruction
+the language tasks (:mod:`.language`: ``lm_pretrain``, ``sft``, ``dpo``) and their building blocks - Llama pre-training (:mod:`.llama`), LoRA instruction
 tuning (:mod:`.sft`) and LoRA preference optimisation (:mod:`.dpo`), with their shared tokenizers
 (:mod:`.tokenizers`), text data (:mod:`.text_data`) and LoRA wrapping (:mod:`.lora`).
 

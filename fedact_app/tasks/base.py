@@ -65,6 +65,9 @@ class Task(ABC):
 # name -> "module:class", imported on use
 TASKS = {
     "vision": "fedact_app.tasks.vision:VisionTask",
+    "lm_pretrain": "fedact_app.tasks.language:PretrainTask",
+    "sft": "fedact_app.tasks.language:SFTTask",
+    "dpo": "fedact_app.tasks.language:DPOTask",
 }
 
 

@@ -69,10 +69,14 @@ def format_alpaca_prompt(instruction: str, input: str = "") -> str:  # noqa: A00
 def encode_example(example: Mapping[str, str], tokenizer: TextTokenizer,
                    max_length: int) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one Alpaca example: labels are ``IGNORE_INDEX`` on the prompt tokens
-    and the token ids on the response tokens; both cut to ``max_length``."""
+    and the token ids on the response tokens; both cut to ``max_length``. A prompt that leaves no
+    response token within ``max_length`` is an error (it would train on nothing, silently)."""
     prompt = format_alpaca_prompt(example["instruction"], example.get("input") or "")
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     prompt_ids = bos + tokenizer.encode(prompt)
+    if len(prompt_ids) >= max_length:
+        raise ValueError(f"An Alpaca prompt of {len(prompt_ids)} tokens leaves no response token within "
+                         f"language.max_length={max_length}: raise language.max_length")
     response_ids = tokenizer.encode(example["output"]) + [tokenizer.eos_id]
     input_ids = prompt_ids + response_ids
     labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids
