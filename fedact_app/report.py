@@ -5,12 +5,15 @@ A *run folder* is any folder holding ``metrics.jsonl`` and ``config.yaml`` (feda
 a path given here is a run folder itself, a sweep folder (scripts/sweep.py) or any folder with run
 folders at any depth below it. A run counts as completed when it has ``summary.json`` and no sweep
 ``summary.jsonl`` above it lists its job with another status; only completed runs are loaded (the
-others are skipped with a warning). Runs of the same method, setting and seed are one run: the
-newest folder (by name, which starts with its start time) is kept.
+others are skipped with a warning). Runs of one method whose algorithm settings differ (an
+ablation sweep over rho, tau, gamma, ...) are told apart by those settings, e.g.
+``FedACT (rho=0.3)``. Runs of the same method, settings, setting and seed are one run: the newest
+folder (by name, which starts with its start time) is kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -92,11 +95,14 @@ class Run:
     setting: Setting
     seed: int
     rows: tuple[dict, ...]
+    hyperparameters: tuple[tuple[str, str], ...] = ()  # the algorithm config but its name, sorted
+    variant: str = ""  # the hyperparameters that tell this run from others of its method
 
     @property
     def method(self) -> str:
-        """The paper's display name, e.g. ``FedAdamW``."""
-        return method_name(self.algorithm)
+        """The paper's display name, e.g. ``FedAdamW``, with its variant: ``FedACT (rho=0.3)``."""
+        name = method_name(self.algorithm)
+        return f"{name} ({self.variant})" if self.variant else name
 
     def series(self, metric: str) -> dict[int, float]:
         """round -> value, over the rows that have ``metric`` (absent or null rows left out)."""
@@ -116,8 +122,8 @@ def method_name(algorithm: str) -> str:
 
 
 def method_sort_key(method: str) -> tuple[int, str]:
-    """Display names in the paper's table order, unknown ones last."""
-    return _order(dict.fromkeys(METHODS.values()), method)
+    """Display names in the paper's table order (variants by their text), unknown ones last."""
+    return _order(dict.fromkeys(METHODS.values()), method.split(" (")[0])[0], method
 
 
 # ------------------------------------------------------------------ finding and loading
@@ -203,9 +209,25 @@ def load_run(path: Path) -> Run:
     rows = _read_jsonl(path / "metrics.jsonl")
     if any("round" not in row for row in rows):
         raise ReportError(f"{path / 'metrics.jsonl'}: a row without 'round'")
+    algorithm = _config_value(config, "algorithm", config_path)
+    hyperparameters = tuple(sorted((key, str(value)) for key, value in algorithm.items() if key != "name"))
     return Run(path=path, algorithm=_config_value(config, "algorithm.name", config_path),
                setting=setting, seed=int(_config_value(config, "seed", config_path)),
-               rows=tuple(sorted(rows, key=lambda row: row["round"])))
+               rows=tuple(sorted(rows, key=lambda row: row["round"])), hyperparameters=hyperparameters)
+
+
+def with_variants(runs: Sequence[Run]) -> list[Run]:
+    """``runs`` with each one's ``variant``: the algorithm settings that differ between the runs
+    of its method (none when they all agree)."""
+    by_algorithm: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_algorithm[run.algorithm].append(run)
+    varying = {algorithm: sorted({key for run in group for key, value in run.hyperparameters
+                                  if any(dict(other.hyperparameters).get(key) != value for other in group)})
+               for algorithm, group in by_algorithm.items()}
+    return [dataclasses.replace(run, variant=", ".join(
+        f"{key}={dict(run.hyperparameters).get(key, '-')}" for key in varying[run.algorithm]))
+        for run in runs]
 
 
 def load_runs(paths: Iterable[Path], warn: Warn = print_warning) -> list[Run]:
@@ -225,14 +247,14 @@ def load_runs(paths: Iterable[Path], warn: Warn = print_warning) -> list[Run]:
         if not completed:
             raise ReportError(f"{path}: no completed runs in it")
         for run in completed:
-            key = (run.algorithm, run.setting, run.seed)
+            key = (run.algorithm, run.hyperparameters, run.setting, run.seed)
             if key in runs:
                 older, newer = sorted((runs[key], run), key=lambda r: r.path.name)
-                warn(f"{older.path}: same method, setting and seed as {newer.path}: skipped")
+                warn(f"{older.path}: same method, settings and seed as {newer.path}: skipped")
                 run = newer
             runs[key] = run
-    return sorted(runs.values(), key=lambda r: (r.setting.sort_key(), method_sort_key(r.method),
-                                                r.seed))
+    return sorted(with_variants(list(runs.values())),
+                  key=lambda r: (r.setting.sort_key(), method_sort_key(r.method), r.seed))
 
 
 # ------------------------------------------------------------------ grouping and statistics

@@ -39,13 +39,14 @@ def trust_value(metric: str, algorithm: str, alpha: float, seed: int, rnd: int) 
 
 
 def write_run(folder: Path, algorithm: str, alpha: float, seed: int, trust: bool = True,
-              finished: bool = True) -> Path:
+              finished: bool = True, rho: float = 0.5) -> Path:
     """A run folder as fedact_app.results writes it (the config reduced to the keys read)."""
     run_dir = folder / f"20260101-000000_{algorithm}_cifar10_vit_tiny_dir{alpha:g}_s{seed}"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(
         f"dataset:\n  name: cifar10\nmodel:\n  name: vit_tiny\npartition:\n  name: dirichlet\n"
-        f"  alpha: {alpha}\nalgorithm:\n  name: {algorithm}\n  lr: 0.0003\nnum_rounds: 3\nseed: {seed}\n")
+        f"  alpha: {alpha}\nalgorithm:\n  name: {algorithm}\n  lr: 0.0003\n  rho: {rho}\n"
+        f"num_rounds: 3\nseed: {seed}\n")
     rows = []
     for rnd, accuracy in enumerate(accuracies(algorithm, alpha, seed)):
         row = {"round": rnd, "test_loss": 2.0 - rnd / 10, "test_accuracy": accuracy}
@@ -118,7 +119,21 @@ def test_a_run_folder_itself_and_duplicates(sweep_dir, tmp_path):
     again = write_run(tmp_path / "rerun", "fedact", 0.6, 1)
     warnings = []
     runs = report.load_runs([sweep_dir, again.parent], warn=warnings.append)
-    assert len(runs) == 9 and any("same method, setting and seed" in w for w in warnings)
+    assert len(runs) == 9 and any("same method, settings and seed" in w for w in warnings)
+
+
+def test_an_ablation_sweep_keeps_its_variants_apart(tmp_path, capsys):
+    """Runs of one method that differ in a setting (rho here) are rows of their own, named by it."""
+    for rho in (0.3, 0.5, 0.7):
+        write_run(tmp_path / f"rho{rho}", "fedact", 0.6, 1, rho=rho)
+    write_run(tmp_path / "adamw", "fedadamw", 0.6, 1)
+    warnings = []
+    runs = report.load_runs([tmp_path], warn=warnings.append)
+    assert [r.method for r in runs] == ["FedAdamW", "FedACT (rho=0.3)", "FedACT (rho=0.5)", "FedACT (rho=0.7)"]
+    assert warnings == []
+    assert table.main([str(tmp_path), "--out", str(tmp_path / "tab")]) == 0
+    markdown = (tmp_path / "tab" / "table.md").read_text()
+    assert all(f"| FedACT (rho={rho}) |" in markdown for rho in (0.3, 0.5, 0.7))
 
 
 def test_mean_std():
