@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -60,15 +61,27 @@ def global_norm(tensors: Mapping[str, Tensor]) -> float:
 
 def trust_score_statistics(scores: Sequence[Tensor], top_p: float) -> tuple[float, float]:
     """(PosRatio, TopMass_p) of one local step's trust scores, one tensor per parameter."""
-    positive = torch.cat([s.detach().reshape(-1) for s in scores]).clamp_min_(0.0)
+    positive = torch.cat([s.detach().reshape(-1) for s in scores])
+    if positive.dtype not in (torch.float32, torch.float64):  # bf16/fp16 parameters
+        positive = positive.float()
+    positive.clamp_min_(0.0)
     d = positive.numel()
     ratio = int(torch.count_nonzero(positive)) / d
     total = float(positive.sum(dtype=torch.float64))
     if total == 0.0:
         return ratio, 0.0
     k = min(d, math.ceil(round(top_p * d, 9)))  # round: 0.07 * 100 is 7.000000000000001
-    top = float(torch.topk(positive, k, sorted=False).values.sum(dtype=torch.float64))
-    return ratio, top / total
+    return ratio, _sum_of_largest(positive, k) / total
+
+
+def _sum_of_largest(values: Tensor, k: int) -> float:
+    """The sum of the ``k`` largest entries of a 1-D tensor, in float64 (ties do not matter for a
+    sum): ``np.partition`` on the CPU (about 10x faster there than ``torch.topk`` for k = 1 % of
+    millions), ``torch.topk`` on a device."""
+    if values.device.type == "cpu":
+        array = values.numpy()
+        return float(np.partition(array, array.size - k)[array.size - k:].sum(dtype=np.float64))
+    return float(torch.topk(values, k, sorted=False).values.sum(dtype=torch.float64))
 
 
 def adam_direction(optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:

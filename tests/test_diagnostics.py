@@ -86,6 +86,8 @@ def test_score_statistics_edge_cases():
     assert (ratio, mass) == (0.5, pytest.approx(0.75))
     ratio, mass = trust_score_statistics([torch.tensor([2.0, 2.0, 2.0, 2.0])], 0.5)  # ties: mass is exact
     assert (ratio, mass) == (1.0, pytest.approx(0.5))
+    half = [torch.tensor([3.0, 1.0, -1.0, 0.0], dtype=torch.bfloat16)]  # bf16 parameters' scores
+    assert trust_score_statistics(half, 0.25) == (0.5, pytest.approx(0.75))
 
 
 # ---------------------------------------------------------------------- direction read-outs
