@@ -33,10 +33,12 @@ METHODS = {
     "fedadamw": "FedAdamW", "fedact_local": "FedACT-Local", "fedact": "FedACT",
 }
 MODELS = {"vit_tiny": "ViT-Tiny", "swin_lite": "Swin-Lite", "resnet18": "ResNet-18",
-          "cnn_small": "CNN-Small"}
+          "cnn_small": "CNN-Small", "llama_60m": "Llama-60M", "llama_130m": "Llama-130M",
+          "llama_250m": "Llama-250M", "llama_tiny": "Llama-tiny", "lora_causal_lm": "LoRA"}
 DATASETS = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "tiny_imagenet": "Tiny-ImageNet",
-            "fashion_mnist": "Fashion-MNIST", "digits": "Digits", "synthetic": "Synthetic"}
-ACCURACY_KINDS = ("final", "best")
+            "fashion_mnist": "Fashion-MNIST", "digits": "Digits", "synthetic": "Synthetic",
+            "c4": "C4-en", "text": "Text", "alpaca_gpt4": "Alpaca-GPT4", "hh_rlhf": "HH-RLHF"}
+VALUE_KINDS = ("final", "best")
 
 Warn = Callable[[str], None]
 
@@ -66,8 +68,11 @@ class Setting:
 
     @property
     def heterogeneity(self) -> str:
-        """``Dir-0.6`` or ``IID``, as the paper's column headers."""
-        return f"Dir-{self.alpha:g}" if self.partition == "dirichlet" else self.partition.upper()
+        """``Dir-0.6`` or ``IID``, as the paper's column headers (a language task's name for its
+        round-robin shards)."""
+        if self.partition == "dirichlet":
+            return f"Dir-{self.alpha:g}"
+        return "IID" if self.partition == "iid" else self.partition
 
     @property
     def title(self) -> str:
@@ -108,12 +113,25 @@ class Run:
         """round -> value, over the rows that have ``metric`` (absent or null rows left out)."""
         return {row["round"]: float(row[metric]) for row in self.rows if row.get(metric) is not None}
 
-    def accuracy(self, kind: str) -> Optional[float]:
-        """``final`` (last evaluated round) or ``best`` (max) test accuracy; None if never evaluated."""
-        values = list(self.series("test_accuracy").values())
+    def value(self, column: str, kind: str) -> Optional[float]:
+        """``final`` (last round that has it) or ``best`` (max, or min for a loss or perplexity)
+        value of a metrics column; None when no round has it."""
+        values = list(self.series(column).values())
         if not values:
             return None
-        return values[-1] if kind == "final" else max(values)
+        if kind == "final":
+            return values[-1]
+        return min(values) if lower_is_better(column) else max(values)
+
+
+def lower_is_better(column: str) -> bool:
+    """Losses, perplexities and NLLs fall as training goes well; everything else rises."""
+    return column.endswith(("loss", "perplexity", "nll"))
+
+
+def in_percent(column: str) -> bool:
+    """Accuracies are shown in %, as the paper's tables do."""
+    return column.endswith("accuracy")
 
 
 def method_name(algorithm: str) -> str:
@@ -199,7 +217,8 @@ def load_run(path: Path) -> Run:
         raise ReportError(f"{config_path}: not YAML ({err})") from None
     if not isinstance(config, dict):
         raise ReportError(f"{config_path}: not a YAML mapping")
-    partition = _config_value(config, "partition.name", config_path)
+    task = config.get("task", "vision")
+    partition = _config_value(config, "partition.name", config_path) if task == "vision" else task
     setting = Setting(
         model=_config_value(config, "model.name", config_path),
         dataset=_config_value(config, "dataset.name", config_path),
@@ -309,16 +328,17 @@ def curves(runs: Iterable[Run], metric: str) -> dict[Setting, dict[str, Curve]]:
     return result
 
 
-def accuracy_cells(runs: Iterable[Run], kind: str) -> dict[str, dict[Setting, tuple[float, Optional[float]]]]:
-    """method -> setting -> (mean, std) of the ``final`` or ``best`` test accuracy in %, over the
-    runs (seeds) that were evaluated; methods in the paper's order."""
-    if kind not in ACCURACY_KINDS:
-        raise ReportError(f"accuracy must be one of {', '.join(ACCURACY_KINDS)}, not {kind!r}")
+def value_cells(runs: Iterable[Run], column: str, kind: str) -> dict[str, dict[Setting, tuple[float, Optional[float]]]]:
+    """method -> setting -> (mean, std) over the runs (seeds) of the ``final`` or ``best`` value of
+    a metrics column (accuracies in %); methods in the paper's order."""
+    if kind not in VALUE_KINDS:
+        raise ReportError(f"the value must be one of {', '.join(VALUE_KINDS)}, not {kind!r}")
+    scale = 100.0 if in_percent(column) else 1.0
     cells: dict[str, dict[Setting, tuple[float, Optional[float]]]] = defaultdict(dict)
     for setting, methods in group_runs(runs).items():
         for method, group in methods.items():
-            values = [100 * a for a in (run.accuracy(kind) for run in group)
-                      if a is not None and not math.isnan(a)]
+            values = [scale * v for v in (run.value(column, kind) for run in group)
+                      if v is not None and not math.isnan(v)]
             if values:
                 cells[method][setting] = mean_std(values)
     return {method: cells[method] for method in sorted(cells, key=method_sort_key)}

@@ -1,7 +1,11 @@
-"""The paper's accuracy table from run folders: Markdown and LaTeX (booktabs).
+"""The paper's tables from run folders: Markdown and LaTeX (booktabs).
 
     python3 scripts/table.py sweeps/20260101-120000
     python3 scripts/table.py sweeps/a sweeps/b outputs/ --metric best --out tables
+    python3 scripts/table.py sweeps/llama --column test_perplexity      # language runs
+
+``--column`` picks the metrics.jsonl column (default ``test_accuracy``, in %; a loss or
+perplexity column is better when lower, and its best cell is the lowest).
 
 Rows are methods in the paper's order (FedAvg, FedProx, SCAFFOLD, FedAdam, LocalAdam, LocalAdamW,
 FedLADA, FedAdamW, FedACT-Local, FedACT; those present); columns are grouped by model, then dataset,
@@ -27,7 +31,7 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 from fedact_app.report import (  # noqa: E402
-    ACCURACY_KINDS, DATASETS, MODELS, ReportError, Setting, accuracy_cells, load_runs)
+    DATASETS, MODELS, VALUE_KINDS, ReportError, Setting, in_percent, load_runs, lower_is_better, value_cells)
 
 Cells = dict[str, dict[Setting, tuple[float, Optional[float]]]]
 CAPTIONS = {"final": "at the last evaluated round", "best": "best over rounds"}
@@ -59,9 +63,11 @@ def table_columns(cells: Cells) -> list[Setting]:
     return sorted({setting for row in cells.values() for setting in row}, key=Setting.sort_key)
 
 
-def column_best(cells: Cells, column: Setting) -> float:
-    """The best mean of a column, rounded to the 2 decimals shown (so ties are the shown ties)."""
-    return max(round(row[column][0], 2) for row in cells.values() if column in row)
+def column_best(cells: Cells, column: Setting, lower: bool) -> float:
+    """The best mean of a column (the lowest when ``lower``), rounded to the 2 decimals shown (so
+    ties are the shown ties)."""
+    means = [round(row[column][0], 2) for row in cells.values() if column in row]
+    return min(means) if lower else max(means)
 
 
 def format_cell(cell: Optional[tuple[float, Optional[float]]], best: float, style: Style) -> str:
@@ -73,26 +79,28 @@ def format_cell(cell: Optional[tuple[float, Optional[float]]], best: float, styl
     return style.bold(text) if round(mean, 2) == best else text
 
 
-def body_rows(cells: Cells, columns: list[Setting], style: Style) -> list[list[str]]:
+def body_rows(cells: Cells, columns: list[Setting], style: Style, lower: bool) -> list[list[str]]:
     """One row of cell texts per method, the method's name first."""
-    best = {column: column_best(cells, column) for column in columns}
+    best = {column: column_best(cells, column, lower) for column in columns}
     return [[style.escape(method)] + [format_cell(row.get(c), best[c], style) for c in columns]
             for method, row in cells.items()]
 
 
-def caption(kind: str) -> str:
-    """The table's caption text (plain; LaTeX escapes its % itself)."""
-    return f"Test accuracy (%) {CAPTIONS[kind]}, mean ± std over seeds where there are several."
+def caption(column: str, kind: str) -> str:
+    """The table's caption text (plain; LaTeX escapes its % and _ itself)."""
+    what = column.replace("_", " ").capitalize() + (" (%)" if in_percent(column) else "")
+    better = ", lower is better" if lower_is_better(column) else ""
+    return f"{what} {CAPTIONS[kind]}{better}, mean ± std over seeds where there are several."
 
 
-def markdown_table(cells: Cells, kind: str) -> str:
+def markdown_table(cells: Cells, column: str, kind: str) -> str:
     """The table in Markdown: one header row naming model / dataset / partition per column."""
     columns = table_columns(cells)
     header = ["Method"] + [f"{MODELS.get(c.model, c.model)} / {DATASETS.get(c.dataset, c.dataset)}"
                            f" / {c.heterogeneity}" for c in columns]
-    lines = [caption(kind), "", "| " + " | ".join(header) + " |",
+    lines = [caption(column, kind), "", "| " + " | ".join(header) + " |",
              "|---|" + "---:|" * len(columns)]
-    lines += ["| " + " | ".join(row) + " |" for row in body_rows(cells, columns, MARKDOWN)]
+    lines += ["| " + " | ".join(row) + " |" for row in body_rows(cells, columns, MARKDOWN, lower_is_better(column))]
     return "\n".join(lines) + "\n"
 
 
@@ -121,17 +129,18 @@ def latex_header(columns: list[Setting]) -> list[str]:
     return lines
 
 
-def latex_table(cells: Cells, kind: str) -> str:
+def latex_table(cells: Cells, column: str, kind: str) -> str:
     """The table as a LaTeX table* with booktabs rules and the paper's three header rows."""
     columns = table_columns(cells)
-    tex_caption = caption(kind).replace("%", "\\%").replace("±", "$\\pm$")
+    tex_caption = tex_escape(caption(column, kind)).replace("±", "$\\pm$")
     lines = ["% \\usepackage{booktabs,multirow,graphicx}", "\\begin{table*}[!ht]", "  \\centering",
              f"  \\caption{{{tex_caption}}}",
              "  \\label{tab:results}", "  \\resizebox{1.0\\linewidth}{!}{",
              f"\\begin{{tabular}}{{l{'c' * len(columns)}}}", "  \\toprule"]
     lines += latex_header(columns)
     lines.append("  \\midrule")
-    lines += ["  " + " & ".join(row) + " \\\\" for row in body_rows(cells, columns, LATEX)]
+    lines += ["  " + " & ".join(row) + " \\\\"
+              for row in body_rows(cells, columns, LATEX, lower_is_better(column))]
     lines += ["  \\bottomrule", "\\end{tabular}", "  }", "\\end{table*}"]
     return "\n".join(lines) + "\n"
 
@@ -139,22 +148,24 @@ def latex_table(cells: Cells, kind: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="sweep folders, run folders or folders with runs")
-    parser.add_argument("--metric", choices=ACCURACY_KINDS, default="final",
-                        help="final: last evaluated round (default); best: max over rounds")
+    parser.add_argument("--metric", choices=VALUE_KINDS, default="final",
+                        help="final: last evaluated round (default); best: max (min for a loss) over rounds")
+    parser.add_argument("--column", default="test_accuracy",
+                        help="the metrics.jsonl column (default test_accuracy; e.g. test_perplexity)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for table.md and table.tex")
     args = parser.parse_args(argv)
     try:
-        cells = accuracy_cells(load_runs(args.paths), args.metric)
+        cells = value_cells(load_runs(args.paths), args.column, args.metric)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not cells:
-        print("error: no run has a test accuracy", file=sys.stderr)
+        print(f"error: no run has {args.column}", file=sys.stderr)
         return 2
-    markdown = markdown_table(cells, args.metric)
+    markdown = markdown_table(cells, args.column, args.metric)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(markdown)
-    (args.out / "table.tex").write_text(latex_table(cells, args.metric))
+    (args.out / "table.tex").write_text(latex_table(cells, args.column, args.metric))
     print(markdown)
     print(args.out / "table.md")
     print(args.out / "table.tex")

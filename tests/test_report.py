@@ -2,6 +2,7 @@
 progress line."""
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -193,10 +194,36 @@ def test_ties_are_all_bold_and_a_single_seed_shows_no_std():
     column = Setting("resnet18", "cifar100", "iid", None)
     cells = {"FedAvg": {column: (41.234, None)}, "FedACT": {column: (41.2349, 0.5)},
              "FedAdamW": {column: (40.0, 1.0)}}
-    markdown = table.markdown_table(cells, "final")
+    markdown = table.markdown_table(cells, "test_accuracy", "final")
     assert "| ResNet-18 / CIFAR-100 / IID |" in markdown
     assert "| FedAvg | **41.23** |" in markdown and "| FedACT | **41.23 ± 0.50** |" in markdown
     assert "| FedAdamW | 40.00 ± 1.00 |" in markdown
+
+
+def write_language_run(folder: Path, algorithm: str, model: str, perplexities: list[float]) -> None:
+    """A pre-training run folder as fedact_app.results writes it (config reduced to the keys read)."""
+    run_dir = folder / f"20260101-000000_{algorithm}_c4_{model}_lm_pretrain_s1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(
+        f"task: lm_pretrain\ndataset:\n  name: c4\nmodel:\n  name: {model}\npartition:\n  name: dirichlet\n"
+        f"  alpha: 0.6\nalgorithm:\n  name: {algorithm}\nseed: 1\n")
+    rows = [{"round": r, "test_loss": math.log(p), "test_perplexity": p} for r, p in enumerate(perplexities)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "summary.json").write_text("{}")
+
+
+def test_language_runs_tabulate_perplexity_with_the_lowest_bold(tmp_path, capsys):
+    write_language_run(tmp_path, "localadamw", "llama_60m", [300.0, 40.0, 37.09])
+    write_language_run(tmp_path, "fedact", "llama_60m", [300.0, 35.0, 36.0])
+    out = tmp_path / "tables"
+    for kind, fedact_cell in (("final", "36.00"), ("best", "35.00")):
+        assert table.main([str(tmp_path), "--column", "test_perplexity", "--metric", kind, "--out", str(out)]) == 0
+        markdown = (out / "table.md").read_text()
+        assert "| Method | Llama-60M / C4-en / lm_pretrain |" in markdown  # not the unused Dir-0.6
+        assert "lower is better" in markdown.splitlines()[0]
+        assert "| LocalAdamW | 37.09 |" in markdown  # its final is also its lowest
+        assert f"| FedACT | **{fedact_cell}** |" in markdown
+        assert "\\caption{Test perplexity" in (out / "table.tex").read_text()
 
 
 def test_table_reports_a_bad_path(tmp_path, capsys):
