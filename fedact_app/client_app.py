@@ -17,7 +17,8 @@ app = ClientApp()
 
 
 DATA_PATH_KEY = "data-path"
-FILE_DATASETS = ("cifar10", "cifar100", "tiny_imagenet", "fashion_mnist")  # read from dataset.path
+# read from dataset.path: image datasets, local text, Alpaca-style and HH-RLHF-style records
+FILE_DATASETS = ("cifar10", "cifar100", "tiny_imagenet", "fashion_mnist", "text", "alpaca_gpt4", "hh_rlhf")
 
 
 def node_data(context: Context, cfg: Config) -> tuple[int, int, str | None]:

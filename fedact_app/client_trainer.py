@@ -20,7 +20,7 @@ from flwr.common import log
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorDict
 from fedact_app.config import Config, PartitionConfig, compose
-from fedact_app.data import batch_generator, load_client_train
+from fedact_app.data import batch_generator
 from fedact_app.diagnostics import TrustProbe
 from fedact_app.tasks.base import build_task
 from fedact_app.train import memory_format, resolve_device, train_steps
@@ -101,9 +101,10 @@ def trainer_for(overrides: str, data_path: str | None = None) -> ClientTrainer:
     """The process's warm trainer for one run configuration (the run's ``overrides`` string).
 
     ``data_path`` (a SuperNode's node-config ``data-path``) replaces ``dataset.path``: the node
-    trains on the whole train split found there (one IID partition of one) and evaluates on the
-    whole test split there. The rest of the dataset config (image size, channels, classes,
-    columns, normalization) comes from the run's overrides, as for every other node.
+    trains on all the training data found there (one IID partition of one) and evaluates on the
+    held-out data there (the test split; for text, its held-out documents or records). The rest
+    of the dataset config (image size, channels, classes, columns, normalization) comes from the
+    run's overrides, as for every other node.
     """
     cfg = compose(overrides)
     if data_path is None:
@@ -111,6 +112,5 @@ def trainer_for(overrides: str, data_path: str | None = None) -> ClientTrainer:
     cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, path=data_path),
                               partition=PartitionConfig(name="iid"))
     trainer = ClientTrainer(cfg)
-    log(INFO, "SuperNode data: data-path=%s, %d training examples", data_path,
-        len(load_client_train(trainer.cfg, 0, 1)))
+    log(INFO, "SuperNode data: data-path=%s, %s", data_path, trainer.task.describe_train_data(0, 1))
     return trainer

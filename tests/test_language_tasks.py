@@ -2,12 +2,15 @@
 real ClientTrainer round per task, the config's task/dataset/model combinations. Offline, tiny."""
 
 import json
+import logging
 import math
 
 import pytest
 import torch
+from flwr.app import Context, RecordDict
 
-from fedact_app.client_trainer import ClientTrainer
+from fedact_app.client_app import node_data
+from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import ConfigError, compose
 from fedact_app.results import main_metric_summary
 from fedact_app.tasks.base import build_task
@@ -177,3 +180,23 @@ def test_a_streamed_corpus_continues_at_a_position_derived_from_the_round(overri
     assert "number 0000" in first_block(1)
     assert f"number {2 * per_round:04d}" in first_block(2)  # client 0 of 2 keeps every other document
     assert first_block(2) == first_block(2)  # a function of the round only
+
+
+def test_a_supernode_serves_its_own_text_through_data_path(overrides, tmp_path, caplog):
+    """node-config data-path with a language dataset: the node trains on its own files (all of
+    them, one partition of one) and logs what it holds."""
+    write_data(tmp_path)  # this node's own files, not the run's
+    own = tmp_path / "text"
+    context = Context(run_id=1, node_id=1, node_config={"data-path": str(own)}, state=RecordDict(),
+                      run_config={})
+    cfg = compose(overrides["lm_pretrain"])
+    assert node_data(context, cfg) == (0, 1, str(own))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        trainer = trainer_for(overrides["lm_pretrain"], str(own))
+    assert trainer.cfg.dataset.path == str(own)
+    documents = len(trainer.task.corpus.train)
+    assert f"data-path={own}, {documents} training documents" in caplog.text
+    state = {n: t.clone() for n, t in trainer.model.state_dict().items()}
+    result = trainer.train_round(state, {}, partition_id=0, num_partitions=1, server_round=1, lr=1e-3,
+                                 local_steps=2, global_step=0)
+    assert set(result.update.delta) == set(state) and math.isfinite(result.loss)

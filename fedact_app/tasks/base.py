@@ -42,6 +42,10 @@ class Task(ABC):
         """Checks of the config against the data, run on the server before round 1 (none by default)."""
 
     @abstractmethod
+    def describe_train_data(self, partition_id: int, num_partitions: int) -> str:
+        """What one client trains on, for the log: e.g. ``1,797 training examples``."""
+
+    @abstractmethod
     def train_batches(self, partition_id: int, num_partitions: int, server_round: int,
                       device: torch.device, generator: torch.Generator) -> BatchSource:
         """The training batches of one client in ``server_round``; all randomness from

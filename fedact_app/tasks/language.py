@@ -45,6 +45,7 @@ from fedact_app.tasks.text_data import (
     local_corpus,
     pack_blocks,
     require_columns,
+    shard_indices,
 )
 from fedact_app.tasks.tokenizers import BYTES, TextTokenizer, load_tokenizer
 
@@ -199,6 +200,12 @@ class PretrainTask(LanguageTask):
         return llama.build_model(name, vocab_size=self.tokenizer.vocab_size, max_position_embeddings=context,
                                  seed=self.cfg.seed)
 
+    def describe_train_data(self, partition_id: int, num_partitions: int) -> str:
+        corpus = self.corpus
+        if not isinstance(corpus, LocalCorpus):
+            return "a streamed corpus"
+        return f"{len(shard_indices(len(corpus.train), partition_id, num_partitions))} training documents"
+
     def check_data(self) -> None:
         corpus = self.corpus
         if isinstance(corpus, LocalCorpus):
@@ -284,6 +291,9 @@ class LoraTask(LanguageTask):
 
     def check_data(self) -> None:
         require_enough(len(self.data[0]), self.cfg, self.unit)
+
+    def describe_train_data(self, partition_id: int, num_partitions: int) -> str:
+        return f"{len(shard_indices(len(self.data[0]), partition_id, num_partitions))} training {self.unit}"
 
     def held_out_batches(self, partition_id: int | None, num_partitions: int,
                          device: torch.device) -> list[dict[str, Tensor]]:

@@ -29,6 +29,9 @@ class VisionTask(Task):
     def check_data(self) -> None:
         check_partitions(self.cfg, train_labels(self.cfg))
 
+    def describe_train_data(self, partition_id: int, num_partitions: int) -> str:
+        return f"{len(load_client_train(self.cfg, partition_id, num_partitions))} training examples"
+
     def _on_device(self, key: tuple, load, device: torch.device) -> ImageTensors:
         if key not in self._resident:
             self._resident[key] = load().to(device)
