@@ -4,6 +4,7 @@ real ClientTrainer round per task, the config's task/dataset/model combinations.
 import json
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -200,3 +201,11 @@ def test_a_supernode_serves_its_own_text_through_data_path(overrides, tmp_path, 
     result = trainer.train_round(state, {}, partition_id=0, num_partitions=1, server_round=1, lr=1e-3,
                                  local_steps=2, global_step=0)
     assert set(result.update.delta) == set(state) and math.isfinite(result.loss)
+
+
+def test_an_unused_partition_setting_is_warned_about_not_ignored_silently(overrides):
+    with pytest.warns(UserWarning, match="partition=dirichlet does not apply to task=lm_pretrain"):
+        build_task(compose(overrides["lm_pretrain"])).check_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_task(compose(f"{overrides['lm_pretrain']} partition=iid")).check_data()

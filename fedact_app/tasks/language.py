@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -137,6 +138,19 @@ class LanguageTask(Task):
     def tokenizer(self) -> TextTokenizer:
         return cached_tokenizer(tokenizer_name(self.cfg), self.cfg.data_dir)
 
+    def check_data(self) -> None:
+        """The task's data checks (``check_task_data``), and a warning that ``partition.*`` does not
+        apply: language shards are dealt round-robin, an IID split (docs/LANGUAGE.md)."""
+        if self.cfg.partition.name != "iid":
+            warnings.warn(f"partition={self.cfg.partition.name} does not apply to task={self.cfg.task}: "
+                          "every client gets a round-robin (IID) shard of the documents/records; "
+                          "pass partition=iid to silence this", UserWarning, stacklevel=2)
+        self.check_task_data()
+
+    def check_task_data(self) -> None:
+        """Can the data feed ``num_clients`` clients and the held-out evaluation?"""
+        raise NotImplementedError
+
     def max_eval_items(self) -> int:
         return self.cfg.language.eval_batches * self.cfg.batch_size
 
@@ -206,7 +220,7 @@ class PretrainTask(LanguageTask):
             return "a streamed corpus"
         return f"{len(shard_indices(len(corpus.train), partition_id, num_partitions))} training documents"
 
-    def check_data(self) -> None:
+    def check_task_data(self) -> None:
         corpus = self.corpus
         if isinstance(corpus, LocalCorpus):
             require_enough(len(corpus.train), self.cfg, "documents")
@@ -289,7 +303,7 @@ class LoraTask(LanguageTask):
             self._data = self.load()
         return self._data
 
-    def check_data(self) -> None:
+    def check_task_data(self) -> None:
         require_enough(len(self.data[0]), self.cfg, self.unit)
 
     def describe_train_data(self, partition_id: int, num_partitions: int) -> str:
