@@ -19,7 +19,7 @@ from fedact_app.launch import run_simulation
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 APP_DIR = Path(__file__).resolve().parents[1]
 PARALLEL_RUNS = 3
-SHORT = ("num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 batch_size=4 local_steps=5 "
+SHORT = ("partition=iid num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 batch_size=4 local_steps=5 "
          "language.eval_batches=4")
 LORA = "model=lora_causal_lm model.base=llama_tiny model.lora.rank=4 model.lora.alpha=8"
 
