@@ -1,10 +1,13 @@
 """The strategy's reply decoding and checks, on real Flower record types."""
 
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from fedact_app.strategy import ReplyError, decode_update, record_bytes
+from fedact_app.strategy import REPLY_POLL, ReplyError, decode_update, exchange, record_bytes
 
 STATE = {"w": torch.zeros(2, 3), "bn.running_mean": torch.zeros(3), "bn.n": torch.tensor(0)}
 TRAINABLE = ["w"]
@@ -48,3 +51,45 @@ def test_bad_replies_are_rejected_with_the_reason(content, needle):
     with pytest.raises(ReplyError) as err:
         decode_update(content, STATE, ("v",), TRAINABLE)
     assert needle in str(err.value)
+
+
+class TimedGrid:
+    """The two Grid calls :func:`exchange` uses: message i's reply can be pulled ``delays[i]``
+    seconds after the push (None: never), once."""
+
+    def __init__(self, delays):
+        self.delays, self.pulls, self.pushed_at = delays, 0, None
+
+    def push_messages(self, messages):
+        self.pushed_at = time.monotonic()
+        return [f"m{i}" for i, _ in enumerate(messages)]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        elapsed = time.monotonic() - self.pushed_at
+        ready = [i for i in sorted(message_ids) if self.delays[int(i[1:])] is not None
+                 and self.delays[int(i[1:])] <= elapsed]
+        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)) for i in ready]
+
+
+def test_exchange_returns_every_reply_soon_after_the_last_one_arrives():
+    grid = TimedGrid([0.0, 0.2, 0.6])
+    started = time.monotonic()
+    replies = exchange(grid, ["a", "b", "c"], timeout=30.0)
+    waited = time.monotonic() - started
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
+    assert 0.6 <= waited < 0.6 + REPLY_POLL[1] + 0.5  # not Flower's 3 s between pulls
+    assert grid.pulls < 20  # the wait grows: no busy loop
+
+
+def test_exchange_stops_at_the_timeout_with_the_replies_it_has():
+    grid = TimedGrid([0.0, None])
+    started = time.monotonic()
+    replies = exchange(grid, ["a", "b"], timeout=0.5)
+    assert [r.metadata.reply_to_message_id for r in replies] == ["m0"]
+    assert 0.5 <= time.monotonic() - started < 1.5
+
+
+def test_exchange_without_messages_returns_at_once():
+    grid = TimedGrid([])
+    assert exchange(grid, [], timeout=30.0) == [] and grid.pulls == 0
