@@ -33,12 +33,7 @@ from typing import Any, Callable
 from torch import nn
 
 from fedact_app.compat import ensure_torchvision_ops
-
-ensure_torchvision_ops()  # before timm imports torchvision (CPU torch + CUDA torchvision)
-
-import timm  # noqa: E402
-
-from fedact_app.config import DatasetConfig, ModelConfig  # noqa: E402
+from fedact_app.config import DatasetConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -105,8 +100,8 @@ def _vit_tiny(image_size: int, channels: int, num_classes: int, patch_size: int,
     _check_patch("vit_tiny", image_size, patch_size)
     if embed_dim % num_heads:
         raise ValueError(f"vit_tiny: embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
-    return timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=image_size, patch_size=patch_size,
+    return _timm_model(
+        "vit_tiny_patch16_224", img_size=image_size, patch_size=patch_size,
         embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
         in_chans=channels, num_classes=num_classes, drop_path_rate=drop_path_rate,
     )
@@ -122,8 +117,8 @@ def _swin_lite(image_size: int, channels: int, num_classes: int, patch_size: int
     _check_patch("swin_lite", image_size, patch_size)
     if len(depths) != len(num_heads):
         raise ValueError(f"swin_lite: depths {list(depths)} and num_heads {list(num_heads)} need one entry per stage")
-    return timm.create_model(
-        "swin_tiny_patch4_window7_224", pretrained=False, img_size=image_size, patch_size=patch_size,
+    return _timm_model(
+        "swin_tiny_patch4_window7_224", img_size=image_size, patch_size=patch_size,
         window_size=window_size, embed_dim=embed_dim, depths=tuple(depths), num_heads=tuple(num_heads),
         mlp_ratio=mlp_ratio, in_chans=channels, num_classes=num_classes, drop_path_rate=drop_path_rate,
     )
@@ -134,12 +129,22 @@ def _swin_lite(image_size: int, channels: int, num_classes: int, patch_size: int
 
 
 def _resnet18(image_size: int, channels: int, num_classes: int, cifar_stem: bool) -> nn.Module:
-    model = timm.create_model("resnet18", pretrained=False, in_chans=channels, num_classes=num_classes)
+    model = _timm_model("resnet18", in_chans=channels, num_classes=num_classes)
     if cifar_stem:
         model.conv1 = nn.Conv2d(channels, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as timm's init
         model.maxpool = nn.Identity()
     return model
+
+
+def _timm_model(name: str, **kwargs: Any) -> nn.Module:
+    """``timm.create_model(name, pretrained=False, **kwargs)``. timm is imported here, not with
+    this module: its import takes about 1.5 s, which a ClientApp that builds ``cnn_small``
+    would otherwise pay in every process (in a deployment, Flower 1.41 starts one per message)."""
+    ensure_torchvision_ops()  # before timm imports torchvision (CPU torch + CUDA torchvision)
+    import timm
+
+    return timm.create_model(name, pretrained=False, **kwargs)
 
 
 def _check_patch(name: str, image_size: int, patch_size: int) -> None:
