@@ -202,6 +202,14 @@ def print_table(model: str, dataset: str, params: list[torch.Tensor], device: to
               + ", ".join(f"ratio {name} {s / ref:.3f}" for name, s in train.items() if name != REFERENCE))
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (a median needs at least one timing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1 (use --no-train-step to skip the train step)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default="cifar100", help="sets image size, channels and classes")
     parser.add_argument("--device", default="all", choices=["all", "cpu", "cuda"],
                         help="all: CPU, and CUDA when present")
-    parser.add_argument("--repeats", type=int, default=20, help="timed steps per optimizer")
+    parser.add_argument("--repeats", type=positive, default=20, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--batch", type=int, default=50, help="train-step batch size")
-    parser.add_argument("--train-repeats", type=int, default=5, help="timed train steps per optimizer")
+    parser.add_argument("--threads", type=positive, default=2, help="torch CPU threads")
+    parser.add_argument("--batch", type=positive, default=50, help="train-step batch size")
+    parser.add_argument("--train-repeats", type=positive, default=5, help="timed train steps per optimizer")
     parser.add_argument("--no-train-step", action="store_true", help="skip the whole train step")
     parser.add_argument("--compile", action="store_true", help="also FedACT with compile=True")
     parser.add_argument("--quick", action="store_true",
