@@ -102,7 +102,8 @@ LABELS = np.repeat(np.arange(10), 200)  # sorted by class, as an image folder is
 
 
 @pytest.mark.parametrize("part", [PartitionConfig(name="iid"), PartitionConfig(name="dirichlet", alpha=0.3)])
-def test_partitions_deterministic_disjoint_covering(part):
+def test_partitions_deterministic_disjoint_covering(part, monkeypatch):
+    monkeypatch.setenv(data.PARTITION_CACHE_ENV, "")  # draw twice, not draw and read back
     first = data.partition_indices(LABELS, 10, part, seed=42)
     data.clear_caches()
     again = data.partition_indices(LABELS, 10, part, seed=42)
@@ -126,6 +127,34 @@ def test_dirichlet_skew_grows_as_alpha_shrinks_and_iid_is_uniform():
     assert iid > 0.97 * math.log(10)
     sizes = [len(p) for p in data.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)]
     assert sizes == [200] * 10
+
+
+def test_a_partition_is_kept_on_disk_and_read_back_by_the_next_process(tmp_path, monkeypatch):
+    monkeypatch.setenv(data.PARTITION_CACHE_ENV, str(tmp_path))
+    part = PartitionConfig(name="dirichlet", alpha=0.3)
+    drawn = data.partition_indices(LABELS, 10, part, seed=42)
+    (stored,) = (tmp_path / "partitions").iterdir()
+    data.clear_caches()  # as a new process: only the file remains
+    swapped = drawn[::-1]  # a different valid partition written into the file is what comes back
+    np.savez(stored, rows=np.concatenate(swapped), sizes=np.array([p.size for p in swapped]))
+    assert all(np.array_equal(a, b) for a, b in zip(data.partition_indices(LABELS, 10, part, seed=42), swapped))
+    for bad in (b"not a zip file", None):  # garbage; an archive that does not fit the labels
+        if bad is None:
+            np.savez(stored, rows=np.arange(5) + LABELS.size, sizes=np.array([5] + [0] * 9))
+        else:
+            stored.write_bytes(bad)
+        data.clear_caches()
+        assert all(np.array_equal(a, b) for a, b in zip(data.partition_indices(LABELS, 10, part, seed=42), drawn))
+    other_seed = data.partition_indices(LABELS, 10, part, seed=43)
+    assert len(list((tmp_path / "partitions").iterdir())) == 2  # one file per seed
+    assert any(not np.array_equal(a, b) for a, b in zip(other_seed, drawn))
+
+
+def test_the_partition_cache_is_off_with_an_empty_folder_name(tmp_path, monkeypatch):
+    monkeypatch.setenv(data.PARTITION_CACHE_ENV, "")
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default folder would be under here
+    data.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_too_many_partitions_is_an_error():
