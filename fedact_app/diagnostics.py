@@ -24,7 +24,7 @@ diagnostics on or off.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Optional
 
 import numpy as np
@@ -36,27 +36,48 @@ CLIENT_METRICS = {"positive-ratio": "positive_ratio", "top-p-mass": "top_p_mass"
                   "amplified-fraction": "amplified_fraction"}
 
 
+_FLOAT64_CHUNK = 1 << 16  # entries of each vector converted to float64 at a time: the block stays in cache
+
+
+def _float64_blocks(parts: Iterable[Sequence[Tensor]], rows: int) -> Iterator[Tensor]:
+    """Blocks of ``rows`` float64 rows: row ``i`` holds, chunk by chunk, the entries of
+    ``part[i]`` for every part (the same piece of each vector, equal sizes), and any row past
+    ``len(part)`` is left for the caller to fill. Blocks share one buffer: use each before the next."""
+    buffer: Optional[Tensor] = None
+    for part in parts:
+        flat = [t.detach().reshape(-1) for t in part]
+        if buffer is None:
+            buffer = torch.empty(rows, _FLOAT64_CHUNK, dtype=torch.float64, device=flat[0].device)
+        size = flat[0].numel()
+        for start in range(0, size, _FLOAT64_CHUNK):
+            block = buffer[:, :min(_FLOAT64_CHUNK, size - start)]
+            for row, x in zip(block, flat):
+                row.copy_(x[start:start + block.shape[1]])
+            yield block
+
+
 def direction_consistency(deltas: Sequence[Mapping[str, Tensor]], names: Sequence[str]) -> float:
-    """DC = (1/S) sum_i cos(Delta_i, Delta_bar) over the entries ``names`` (sums in float64; the
-    cosine of a zero vector counts as 0)."""
-    dots = [0.0] * len(deltas)
-    norms = [0.0] * len(deltas)
-    mean_norm = 0.0
-    for name in names:
-        flat = [d[name].detach().reshape(-1).double() for d in deltas]
-        mean = torch.stack(flat).mean(dim=0)
-        mean_norm += float(mean.dot(mean))
-        for i, x in enumerate(flat):
-            dots[i] += float(x.dot(mean))
-            norms[i] += float(x.dot(x))
-    cosines = [dot / math.sqrt(norm * mean_norm) if norm > 0 and mean_norm > 0 else 0.0
-               for dot, norm in zip(dots, norms)]
+    """DC = (1/S) sum_i cos(Delta_i, Delta_bar) over the entries ``names`` (the cosine of a zero
+    vector counts as 0). Products and sums in float64, over blocks that stay in cache: each block
+    holds a chunk of every Delta_i and of their mean, and one matrix-vector product gives that
+    chunk's <Delta_i, Delta_bar> and ||Delta_bar||^2."""
+    count = len(deltas)
+    with_mean = torch.zeros(count + 1, dtype=torch.float64)  # <Delta_i, Delta_bar>, then ||Delta_bar||^2
+    squares = torch.zeros(count, dtype=torch.float64)  # ||Delta_i||^2
+    for block in _float64_blocks(([d[name] for d in deltas] for name in names), count + 1):
+        torch.mean(block[:count], dim=0, out=block[count])
+        with_mean += block.mv(block[count]).cpu()
+        squares += torch.linalg.vecdot(block[:count], block[:count]).cpu()
+    mean_norm = float(with_mean[count])
+    cosines = [float(dot) / math.sqrt(float(norm) * mean_norm) if norm > 0 and mean_norm > 0 else 0.0
+               for dot, norm in zip(with_mean[:count], squares)]
     return sum(cosines) / len(cosines)
 
 
 def global_norm(tensors: Mapping[str, Tensor]) -> float:
-    """sqrt(sum_p ||t_p||^2), accumulated in float64."""
-    return math.sqrt(sum(float(t.detach().double().square().sum()) for t in tensors.values()))
+    """sqrt(sum_p ||t_p||^2), squares and sums in float64 (over blocks that stay in cache)."""
+    total = sum(float(block[0].dot(block[0])) for block in _float64_blocks(([t] for t in tensors.values()), 1))
+    return math.sqrt(total)
 
 
 def trust_score_statistics(scores: Sequence[Tensor], top_p: float) -> tuple[float, float]:

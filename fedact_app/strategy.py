@@ -98,10 +98,11 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     for key in reply_keys:
         arrays[key] = content[key].to_torch_state_dict()
         _check_arrays(key, arrays[key], {name: state[name] for name in trainable})
-        if key in nonnegative and (negative := [n for n, t in arrays[key].items() if (t < 0).any()]):
+        if key in nonnegative and (negative := [n for n, t in arrays[key].items()
+                                                if t.numel() and float(t.min()) < 0]):
             raise ReplyError(f"{key!r} has negative values (in {negative[:3]}); it must be >= 0")
     if max_update_norm:
-        norm = math.sqrt(sum(float(delta[name].double().square().sum()) for name in trainable))
+        norm = global_norm({name: delta[name] for name in trainable})
         if norm > max_update_norm:
             raise ReplyError(f"update norm {norm:.4g} exceeds max_update_norm={max_update_norm:g}")
     metrics = content["metrics"]
@@ -121,8 +122,15 @@ def _check_arrays(key: str, arrays: TensorDict, expected: TensorDict) -> None:
         if tensor.shape != expected[name].shape or tensor.dtype != expected[name].dtype:
             raise ReplyError(f"{key!r}[{name!r}]: {tuple(tensor.shape)} {tensor.dtype}, expected "
                              f"{tuple(expected[name].shape)} {expected[name].dtype}")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if tensor.is_floating_point() and not all_finite(tensor):
             raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether no entry is inf or NaN. The sum is inf or NaN when an entry is (IEEE addition never
+    turns them back into a finite number), so one reduction without a temporary decides; only a
+    sum that is not finite (such an entry, or an overflow of finite ones) is checked entry by entry."""
+    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 class AlgorithmStrategy(Strategy):

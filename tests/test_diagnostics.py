@@ -13,7 +13,8 @@ from fedact_app.algorithms import ALGORITHMS
 from fedact_app.baselines import FedLADAAdam
 from fedact_app.client_trainer import ClientTrainer
 from fedact_app.config import compose
-from fedact_app.diagnostics import (TrustProbe, adam_direction, direction_consistency,
+from fedact_app import diagnostics
+from fedact_app.diagnostics import (TrustProbe, adam_direction, direction_consistency, global_norm,
                                     mean_client_statistics, trust_score_statistics)
 from fedact_app.optim import FedACTAdamW
 from fedact_app.strategy import AlgorithmStrategy
@@ -64,6 +65,19 @@ def test_direction_consistency_special_cases():
     with_zero = [{"w": torch.tensor([0.0, 0.0])}, {"w": torch.tensor([0.0, 3.0])}]
     assert direction_consistency(with_zero, ["w"]) == pytest.approx(plain_dc([[0.0, 0.0], [0.0, 3.0]]))
     assert direction_consistency(with_zero, ["w"]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 16])
+def test_direction_consistency_and_global_norm_over_chunks(monkeypatch, chunk):
+    # chunk 1 and 3 split every tensor (sizes 6, 7, 1) into blocks, with a short last block
+    monkeypatch.setattr(diagnostics, "_FLOAT64_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(1)
+    deltas = [{"a": torch.randn(2, 3, generator=gen) + 0.5, "b": torch.randn(7, generator=gen),
+               "c": torch.randn(1, generator=gen, dtype=torch.float64)} for _ in range(3)]
+    flat = [d["a"].reshape(-1).tolist() + d["b"].tolist() + d["c"].tolist() for d in deltas]
+    assert direction_consistency(deltas, ["a", "b", "c"]) == pytest.approx(plain_dc(flat), rel=1e-12)
+    assert global_norm(deltas[0]) == pytest.approx(math.sqrt(sum(x * x for x in flat[0])), rel=1e-12)
+    assert global_norm({"empty": torch.zeros(0)}) == 0.0
 
 
 # ---------------------------------------------------------------------- trust-score statistics
