@@ -18,8 +18,12 @@ Round 1 (process and data start-up) and the last round (it also evaluates the gl
 are left out; the figures are medians over the rounds in between (with fewer than three rounds,
 the last round, as a smoke run). The Flower round is split into
 local compute (the plain loop's), (de)serialization (measured here: every message of a round
-taken torch -> ArrayRecord -> protobuf bytes -> ArrayRecord -> torch), aggregation (the plain
-loop's) and the rest, idle time and overhead (scheduling, transport, waiting).
+taken torch -> ArrayRecord -> pickle -> ArrayRecord -> torch, as the app and the simulation
+engine's Ray transport handle it), the server's reply checks and direction consistency
+(measured here), aggregation (the plain loop's) and the rest, idle time and overhead
+(scheduling, transport, waiting). The clients' trust-score diagnostics are off in the Flower
+run (``diagnostics.trust_every=0``), so both sides train the same; ``bench_diagnostics.py``
+measures them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -38,16 +43,16 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 import torch  # noqa: E402
-from flwr.app import ArrayRecord, RecordDict  # noqa: E402
-from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
-from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # noqa: E402
+from flwr.app import ArrayRecord, MetricRecord, RecordDict  # noqa: E402
 
-from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict  # noqa: E402
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, ServerRule, TensorDict  # noqa: E402
 from fedact_app.config import Config, compose  # noqa: E402
 from fedact_app.data import BatchStream, batch_generator, load_client_train  # noqa: E402
+from fedact_app.diagnostics import direction_consistency, global_norm  # noqa: E402
 from fedact_app.launch import run_simulation  # noqa: E402
 from fedact_app.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
+from fedact_app.strategy import decode_update  # noqa: E402
 from fedact_app.train import cosine_lr, resolve_device, train_steps  # noqa: E402
 
 FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client optimizer is FedACTAdamW
@@ -59,7 +64,7 @@ def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
         args.overrides,
         f"num_clients={args.clients} fraction_train=1.0 min_train_nodes={args.clients}",
         f"local_steps={args.local_steps} num_rounds={args.rounds} eval_every={args.rounds}",
-        f"fraction_evaluate=0.0 output_dir={output_dir}",
+        f"fraction_evaluate=0.0 diagnostics.trust_every=0 output_dir={output_dir}",
     ]).strip()
 
 
@@ -80,15 +85,30 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
 
 
 def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
-    """Seconds to take every message torch -> ArrayRecord -> bytes -> ArrayRecord -> torch."""
+    """Seconds to take every message torch -> ArrayRecord -> pickle -> ArrayRecord -> torch: the
+    app's conversions on both ends and, between them, what the simulation engine does with a
+    message (Flower 1.41 hands it to the client's Ray actor and back, pickled)."""
     start = time.perf_counter()
     for arrays in messages:
         content = RecordDict({key: ArrayRecord(tensors) for key, tensors in arrays.items()})
-        proto = ProtoRecordDict()
-        proto.ParseFromString(recorddict_to_proto(content).SerializeToString())
-        received = recorddict_from_proto(proto)
+        received = pickle.loads(pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL))
         for key in arrays:
             received[key].to_torch_state_dict()
+    return time.perf_counter() - start
+
+
+def server_check_seconds(updates: list[ClientUpdate], x: TensorDict, trainable: list[str],
+                         server: ServerRule) -> float:
+    """Seconds the ServerApp spends on the replies besides the rule's aggregation: each reply's
+    checks (``decode_update``) and the round's diagnostics (DC, ||Delta_G||)."""
+    contents = [RecordDict({"delta": ArrayRecord(u.delta), **{k: ArrayRecord(a) for k, a in u.arrays.items()},
+                            "metrics": MetricRecord({"num-examples": u.num_examples, "num-steps": u.num_steps,
+                                                     "lr-sum": u.lr_sum})}) for u in updates]
+    start = time.perf_counter()
+    decoded = [decode_update(c, x, server.reply_keys, trainable, server.nonnegative_keys) for c in contents]
+    direction_consistency([u.delta for u in decoded], trainable)
+    if "delta_g" in (broadcast := server.broadcast()):
+        global_norm(broadcast["delta_g"])
     return time.perf_counter() - start
 
 
@@ -106,7 +126,8 @@ def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
                             weight_decay=a.weight_decay, rho=a.rho, tau=a.tau, alpha=a.alpha, gamma=a.gamma,
                             trust_scope=a.trust_scope, trust_signal=a.trust_signal,
                             scale_matched=a.scale_matched)
-    server = ALGORITHMS[a.name].server(a, [name for name, _ in named], num_clients=cfg.num_clients)
+    trainable = [name for name, _ in named]
+    server = ALGORITHMS[a.name].server(a, trainable, num_clients=cfg.num_clients)
     x = {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
     data = [load_client_train(cfg, i, cfg.num_clients).to(device) for i in range(cfg.num_clients)]
     rows = []
@@ -132,11 +153,12 @@ def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
             updates.append(ClientUpdate(delta=delta, num_steps=cfg.local_steps, lr_sum=lr * cfg.local_steps,
                                         num_examples=stats.num_examples, arrays={"v": v}))
         computed = time.perf_counter()
+        checks = server_check_seconds(updates, x, trainable, server)
         x = server.aggregate(x, updates)
         aggregated = time.perf_counter()
         messages = [m for u in updates for m in ({"model": x, **broadcast}, {"delta": u.delta, **u.arrays})]
-        rows.append(dict(round=server_round, compute=computed - started, aggregation=aggregated - computed,
-                         serde=serde_seconds(messages)))
+        rows.append(dict(round=server_round, compute=computed - started, checks=checks,
+                         aggregation=aggregated - computed - checks, serde=serde_seconds(messages)))
     return rows
 
 
@@ -175,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     def median(rows: list[dict], key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
-    compute, aggregation, serde = median(plain, "compute"), median(plain, "aggregation"), median(plain, "serde")
+    compute, aggregation = median(plain, "compute"), median(plain, "aggregation")
+    serde, checks = median(plain, "serde"), median(plain, "checks")
     flower_round, plain_round = median(flower, "seconds"), compute + aggregation
-    rest = flower_round - compute - aggregation - serde
+    rest = flower_round - compute - aggregation - serde - checks
     device = resolve_device(cfg.device)
     print(f"\n{cfg.algorithm.name} on {cfg.dataset.name} / {cfg.model.name}: S={cfg.num_clients} clients x "
           f"K={cfg.local_steps} steps, batch {cfg.batch_size}, {device} ({args.num_cpus} CPUs per client, "
@@ -187,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'Flower simulation round':38} {flower_round:>9.3f} {'100%':>7}")
     for name, seconds in (("  local compute (plain loop's)", compute),
                           ("  (de)serialization (measured here)", serde),
+                          ("  reply checks, DC (measured here)", checks),
                           ("  aggregation (plain loop's)", aggregation),
                           ("  idle / overhead (the rest)", rest)):
         print(f"{name:38} {seconds:>9.3f} {100 * seconds / flower_round:>6.0f}%")
