@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import os
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedact_app.algorithms import TensorDict
 from fedact_app.checkpoint import persist_client_state, restored_client_state
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import Config, compose
+from fedact_app.wire import array_record
 
 app = ClientApp()
 
@@ -92,7 +93,7 @@ def save_client_state(context: Context, client_state: dict[str, TensorDict]) -> 
     """Store the arrays for this client's next round in its ``Context.state`` (Flower keeps one
     context per node and run, in simulation and deployment alike, across the messages it handles)."""
     for key, arrays in client_state.items():
-        context.state[CLIENT_STATE_PREFIX + key] = ArrayRecord(arrays)
+        context.state[CLIENT_STATE_PREFIX + key] = array_record(arrays)
 
 
 class InjectedFault(RuntimeError):
@@ -130,9 +131,9 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     if DATA_PATH_KEY not in context.node_config:
         persist_client_state(config, partition_id, result.client_state)
     update = result.update
-    reply = RecordDict({"delta": ArrayRecord(update.delta)})
+    reply = RecordDict({"delta": array_record(update.delta)})
     for key, arrays in update.arrays.items():
-        reply[key] = ArrayRecord(arrays)
+        reply[key] = array_record(arrays)
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
                                      "lr-sum": update.lr_sum, "train-loss": result.loss,
                                      "partition-id": partition_id, **result.diagnostics})

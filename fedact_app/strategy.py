@@ -38,7 +38,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
 from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
-from fedact_app.wire import to_wire
+from fedact_app.wire import array_record, to_wire
 
 
 ALL_NODES_WAIT = 30.0  # seconds the first round waits for every expected node to register
@@ -197,7 +197,7 @@ class AlgorithmStrategy(Strategy):
                                "global-step": (server_round - 1) * self.local_steps})
         content = RecordDict({"model": arrays, "config": config})
         for key, tensors in self.rule.broadcast().items():
-            content[key] = ArrayRecord(to_wire(tensors, self.wire_dtype))
+            content[key] = array_record(to_wire(tensors, self.wire_dtype))
         nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
         self.bytes_sent = record_bytes(content) * len(nodes)
@@ -249,7 +249,7 @@ class AlgorithmStrategy(Strategy):
         if "delta_g" in (broadcast := self.rule.broadcast()):
             metrics["delta_g_norm"] = global_norm(broadcast["delta_g"])
         metrics.update(mean_client_statistics(client_metrics))
-        return ArrayRecord(self.state), MetricRecord(metrics)
+        return array_record(self.state), MetricRecord(metrics)
 
     # ------------------------------------------------------------------ federated evaluation
 
@@ -291,7 +291,7 @@ class AlgorithmStrategy(Strategy):
         self.state = dict(initial_state)
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
-        arrays = ArrayRecord(self.state)
+        arrays = array_record(self.state)
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)

@@ -43,7 +43,7 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 import torch  # noqa: E402
-from flwr.app import ArrayRecord, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import MetricRecord, RecordDict  # noqa: E402
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, ServerRule, TensorDict  # noqa: E402
 from fedact_app.config import Config, compose  # noqa: E402
@@ -54,6 +54,7 @@ from fedact_app.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.strategy import decode_update  # noqa: E402
 from fedact_app.train import cosine_lr, resolve_device, train_steps  # noqa: E402
+from fedact_app.wire import array_record  # noqa: E402
 
 FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client optimizer is FedACTAdamW
 
@@ -90,7 +91,7 @@ def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
     message (Flower 1.41 hands it to the client's Ray actor and back, pickled)."""
     start = time.perf_counter()
     for arrays in messages:
-        content = RecordDict({key: ArrayRecord(tensors) for key, tensors in arrays.items()})
+        content = RecordDict({key: array_record(tensors) for key, tensors in arrays.items()})
         received = pickle.loads(pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL))
         for key in arrays:
             received[key].to_torch_state_dict()
@@ -101,7 +102,7 @@ def server_check_seconds(updates: list[ClientUpdate], x: TensorDict, trainable: 
                          server: ServerRule) -> float:
     """Seconds the ServerApp spends on the replies besides the rule's aggregation: each reply's
     checks (``decode_update``) and the round's diagnostics (DC, ||Delta_G||)."""
-    contents = [RecordDict({"delta": ArrayRecord(u.delta), **{k: ArrayRecord(a) for k, a in u.arrays.items()},
+    contents = [RecordDict({"delta": array_record(u.delta), **{k: array_record(a) for k, a in u.arrays.items()},
                             "metrics": MetricRecord({"num-examples": u.num_examples, "num-steps": u.num_steps,
                                                      "lr-sum": u.lr_sum})}) for u in updates]
     start = time.perf_counter()
