@@ -11,8 +11,8 @@ buffers (one per run of parameters sharing group, device and dtype): the equatio
 involve the gradient or the parameter tensor by tensor are one operation over all coordinates,
 the others one ``torch._foreach_*`` call. The exact top-k threshold is found without sorting d
 entries: on CPU a sample brackets it and an exact count plus a small selection finish it (numpy,
-on torch's threads); elsewhere ``torch.kthvalue`` finds it and the tie-break runs on the device,
-with no host synchronisation. ``compile=True`` fuses m, v, u and s into one pass.
+on torch's threads); elsewhere ``torch.topk`` of the smaller side gives it and the tie-break runs
+on the device, with no host synchronisation. ``compile=True`` fuses m, v, u and s into one pass.
 """
 
 from __future__ import annotations
@@ -165,10 +165,11 @@ class FedACTAdamW(Optimizer):
     views of those buffers (shaped like ``p``, row-major). Scratch, rebuilt with the packing and
     never saved: u (parameter dtype), one flat float32 (float64) buffer per device for s and
     one bool and one selector buffer (bool on CPU, int32 on the device path): ``10 d`` bytes
-    beyond the state for float32 parameters on CPU, ``13 d`` on a GPU, allocated once. The
-    equations allocate nothing per step; the CPU selection copies what ``np.partition`` selects
-    from (about 1 % of d, or a whole segment below 2**21 scores), the GPU one is
-    ``torch.kthvalue``.
+    beyond the state for float32 parameters on CPU, ``13 d`` on a GPU, plus there the output of
+    ``torch.topk`` of the smaller side (``12 min(k, d-k+1)`` bytes: at most ``6 d``, at
+    tau = 0.5), all allocated once. The equations allocate nothing per step; the CPU selection
+    copies what ``np.partition`` selects from (about 1 % of d, or a whole segment below 2**21
+    scores).
     """
 
     def __init__(
@@ -583,9 +584,10 @@ class _ParamBatch:
 
 
 class _TrustSegment:
-    """One top-k selection: the flat scores it ranks (turned into phi in place), its scratch, its
-    group's settings and, for a large segment selected on the host, the fixed random positions
-    whose scores bracket the threshold (:func:`_threshold_on_host`)."""
+    """One top-k selection: the flat scores it ranks (turned into phi in place), its scratch (on
+    the device path also ``torch.topk``'s output, :meth:`top_k_buffers`), its group's settings
+    and, for a large segment selected on the host, the fixed random positions whose scores
+    bracket the threshold (:func:`_threshold_on_host`)."""
 
     def __init__(self, scores: Tensor, mask: Tensor, selector: Tensor, group: dict) -> None:
         self.scores, self.mask, self.selector = scores, mask, selector
@@ -594,6 +596,15 @@ class _TrustSegment:
         self.on_host = selector.dtype == torch.bool
         self.draws = 0  # samples drawn so far; a bracket that misses draws a new one
         self.sample = self.draw_sample()
+        self._top_k: Optional[tuple[Tensor, Tensor]] = None
+
+    def top_k_buffers(self, n: int) -> tuple[Tensor, Tensor]:
+        """Values and indices buffers of ``n`` entries for ``torch.topk`` of the scores on the
+        device path, allocated at the first step (n depends only on d and tau)."""
+        if self._top_k is None or self._top_k[0].numel() != n:
+            self._top_k = (torch.empty(n, dtype=self.scores.dtype, device=self.scores.device),
+                           torch.empty(n, dtype=torch.int64, device=self.scores.device))
+        return self._top_k
 
     def draw_sample(self) -> Optional["np.ndarray"]:
         """Sorted random positions (a cache-friendly gather), reproducible per size and draw."""
@@ -856,7 +867,7 @@ def _top_k_indicator(seg: _TrustSegment, k: int, host_threshold: Optional[tuple[
     if k == 0 or k == d:
         s.fill_(1.0 if k else 0.0)
     elif host_threshold is None:
-        _top_k_indicator_on_device(s, k, seg.mask, seg.selector)
+        _top_k_indicator_on_device(seg, k)
     else:
         threshold, cut = host_threshold
         head, tail = s[:cut], s[cut:]
@@ -957,12 +968,24 @@ def _host_map(fn: Callable, items: Sequence) -> list:
     return list(_POOL[key].map(fn, items))
 
 
-def _top_k_indicator_on_device(s: Tensor, k: int, mask: Tensor, ranks: Tensor) -> None:
-    """The device path of :func:`_top_k_indicator` (also without numpy): ``torch.kthvalue`` for
-    the threshold T, then the tie-break by a running count of the entries equal to T, all as
-    tensor operations, so nothing waits for the device. ``mask``: bool, ``ranks``: integer
-    scratch like ``s``."""
-    threshold = torch.kthvalue(s, s.numel() - k + 1).values  # k-th largest, stays on the device
+def _top_k_indicator_on_device(seg: _TrustSegment, k: int) -> None:
+    """The device path of :func:`_top_k_indicator` (also without numpy), all tensor operations,
+    so nothing waits for the device. The threshold T, the k-th largest score, is the smallest of
+    the k largest scores or the largest of the d - k + 1 smallest (``torch.topk`` of the smaller
+    side, into the segment's buffers); the tie-break is a running count of the entries equal to
+    T, in the segment's ``mask`` (bool) and ``selector`` (integer) scratch.
+
+    ``torch.topk``, not ``torch.kthvalue``: PyTorch's CUDA kthvalue runs one thread block per
+    slice (``gatherKthValue`` in ATen's Sorting.cu), so one multiprocessor would read all d
+    scores many times over (pytorch/pytorch#75599: 20x slower than a full sort for 10^8
+    values), where topk's radix select spreads one large slice over many blocks (``mbtopk`` in
+    TensorTopK.cu)."""
+    s, mask, ranks = seg.scores, seg.mask, seg.selector
+    d = s.numel()
+    largest = k <= d - k + 1
+    values, indices = seg.top_k_buffers(k if largest else d - k + 1)
+    torch.topk(s, values.numel(), largest=largest, sorted=False, out=(values, indices))
+    threshold = values.min() if largest else values.max()    # k-th largest, stays on the device
     torch.gt(s, threshold, out=ranks)
     need = k - ranks.sum()                                    # places left for entries equal to T
     torch.eq(s, threshold, out=mask)

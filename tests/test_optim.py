@@ -274,11 +274,11 @@ def test_second_moments_are_the_live_v_aligned_with_params():
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 @pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize("selector", ["numpy", "torch.kthvalue"])
+@pytest.mark.parametrize("selector", ["numpy", "torch.topk"])
 def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, foreach, selector, monkeypatch):
     """Gradients with 70 % exact zeros: s = 0 there, the threshold falls inside the zeros.
-    On CPU the threshold comes from numpy; without numpy (and off CPU) from torch.kthvalue."""
-    if selector == "torch.kthvalue":
+    On CPU the threshold comes from numpy; without numpy (and off CPU) from torch.topk."""
+    if selector == "torch.topk":
         monkeypatch.setattr(optim_module, "np", None)
     kw = dict(lr=1e-2, weight_decay=0.0, rho=0.5, tau=0.5, trust_scope=trust_scope, foreach=foreach)
     params = make_params(shapes=[(9, 5), (11,), (4, 3)])  # d = 68, odd per-tensor sizes
@@ -509,11 +509,31 @@ def test_sparse_gradients_raise():
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-def test_torch_kthvalue_selection_matches_reference(trust_scope, monkeypatch):
-    """The selection used off CPU (torch.kthvalue), run here on CPU by hiding numpy."""
+def test_device_selection_matches_reference(trust_scope, monkeypatch):
+    """The selection used off CPU (torch.topk of the smaller side), run here on CPU by hiding numpy."""
     monkeypatch.setattr(optim_module, "np", None)
     run_against_reference({**BASE, "trust_scope": trust_scope, "tau": 0.3},
                           rounds_kwargs=dict(zero_frac=0.2))
+
+
+@pytest.mark.parametrize("tau", [0.3, 0.7])
+def test_device_selection_writes_top_k_into_buffers_made_once(tau, monkeypatch):
+    """The device path's torch.topk takes the smaller side, min(k, d - k + 1) scores, into
+    buffers made at the first step and reused at every later one (no d-sized allocation a step)."""
+    monkeypatch.setattr(optim_module, "np", None)
+    params = make_params(shapes=[(9, 5), (11,)])  # d = 56
+    opt = FedACTAdamW(params, **{**BASE, "tau": tau})
+    gen = torch.Generator().manual_seed(3)
+    storages = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        opt.step()
+        (segment,) = opt._workspace.segments(opt.param_groups)
+        values, indices = segment._top_k
+        storages.append((values.data_ptr(), indices.data_ptr()))
+    assert values.numel() == indices.numel() == {0.3: 16, 0.7: 18}[tau]  # k = 16; d - k + 1 = 56 - 39 + 1
+    assert len(set(storages)) == 1
 
 
 # ---------------------------------------------------------------------- fast paths (docs/PERFORMANCE.md)
@@ -535,7 +555,7 @@ def _host_and_device_top_k(s, k, on_host):
     return s
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-kthvalue"])
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-topk"])
 @pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "signed zeros", "all equal"])
 def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
     """Above _BRACKET_MIN (sample, bracket, exact count, chunks on threads) and on the device path:
