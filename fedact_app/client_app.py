@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -122,11 +123,13 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     inject_fault(trainer.cfg, partition_id, int(config["server-round"]))
     received = {key: record.to_torch_state_dict()
                 for key, record in content.array_records.items() if key != "model"}
+    started = time.perf_counter()
     result = trainer.train_round(
         content["model"].to_torch_state_dict(), received, partition_id=partition_id,
         num_partitions=num_partitions, server_round=int(config["server-round"]),
         lr=float(config["lr"]), local_steps=int(config["local-steps"]),
         global_step=int(config["global-step"]), client_state=kept_state(context, config, partition_id))
+    train_seconds = time.perf_counter() - started  # the round's local work; it ends with copies to the CPU
     save_client_state(context, result.client_state)
     if DATA_PATH_KEY not in context.node_config:
         persist_client_state(config, partition_id, result.client_state)
@@ -136,7 +139,8 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
         reply[key] = array_record(arrays)
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
                                      "lr-sum": update.lr_sum, "train-loss": result.loss,
-                                     "partition-id": partition_id, **result.diagnostics})
+                                     "train-seconds": train_seconds, "partition-id": partition_id,
+                                     **result.diagnostics})
     return reply
 
 

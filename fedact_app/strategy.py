@@ -245,6 +245,9 @@ class AlgorithmStrategy(Strategy):
         total = sum(u.num_examples for u in updates)
         metrics["train_loss"] = sum(float(m.get("train-loss", math.nan)) * u.num_examples
                                     for m, u in zip(client_metrics, updates)) / total
+        if seconds := [float(m["train-seconds"]) for m in client_metrics if "train-seconds" in m]:
+            metrics["client_train_seconds"] = sum(seconds)  # local work of the round's clients, each by its clock
+            metrics["client_train_seconds_max"] = max(seconds)  # the slowest client (stragglers)
         metrics["direction_consistency"] = direction_consistency([u.delta for u in updates], self.trainable)
         if "delta_g" in (broadcast := self.rule.broadcast()):
             metrics["delta_g_norm"] = global_norm(broadcast["delta_g"])

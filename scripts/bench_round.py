@@ -17,13 +17,17 @@ steps on their own partition, then the server aggregates (x, v_bar, Delta_G).
 Round 1 (process and data start-up) and the last round (it also evaluates the global model)
 are left out; the figures are medians over the rounds in between (with fewer than three rounds,
 the last round, as a smoke run). The Flower round is split into
-local compute (the plain loop's), (de)serialization (measured here: every message of a round
-taken torch -> ArrayRecord -> pickle -> ArrayRecord -> torch, as the app and the simulation
-engine's Ray transport handle it), the server's reply checks and direction consistency
-(measured here), aggregation (the plain loop's) and the rest, idle time and overhead
-(scheduling, transport, waiting). The clients' trust-score diagnostics are off in the Flower
-run (``diagnostics.trust_every=0``), so both sides train the same; ``bench_diagnostics.py``
-measures them.
+local compute (the clients' ``train-seconds``, each timed by its own clock, summed:
+``client_train_seconds`` in metrics.jsonl), (de)serialization (measured here: every message of
+a round taken torch -> ArrayRecord -> pickle -> ArrayRecord -> torch, as the app and the
+simulation engine's Ray transport handle it), the server's reply checks and direction
+consistency (measured here), aggregation (the plain loop's) and the rest, idle time and
+overhead (scheduling, transport, waiting). The split assumes the clients run one at a time, as
+they do with the default ``--num-cpus`` (all of them). The same local work takes longer in a
+simulated client than in the plain loop when Flower's and Ray's processes share its CPUs: the
+line "client compute, Flower / plain loop" says by how much. The clients' trust-score
+diagnostics are off in the Flower run (``diagnostics.trust_every=0``), so both sides train the
+same; ``bench_diagnostics.py`` measures them.
 """
 
 from __future__ import annotations
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     compute, aggregation = median(plain, "compute"), median(plain, "aggregation")
     serde, checks = median(plain, "serde"), median(plain, "checks")
     flower_round, plain_round = median(flower, "seconds"), compute + aggregation
-    rest = flower_round - compute - aggregation - serde - checks
+    client_compute = median(flower, "client_train_seconds")
+    rest = flower_round - client_compute - aggregation - serde - checks
     device = resolve_device(cfg.device)
     print(f"\n{cfg.algorithm.name} on {cfg.dataset.name} / {cfg.model.name}: S={cfg.num_clients} clients x "
           f"K={cfg.local_steps} steps, batch {cfg.batch_size}, {device} ({args.num_cpus} CPUs per client, "
@@ -209,13 +214,15 @@ def main(argv: list[str] | None = None) -> int:
           f"(median); Flower run {flower_wall:.1f} s in all, start-up included")
     print(f"{'':38} {'s/round':>9} {'share':>7}")
     print(f"{'Flower simulation round':38} {flower_round:>9.3f} {'100%':>7}")
-    for name, seconds in (("  local compute (plain loop's)", compute),
+    for name, seconds in (("  local compute (the clients' clocks)", client_compute),
                           ("  (de)serialization (measured here)", serde),
                           ("  reply checks, DC (measured here)", checks),
                           ("  aggregation (plain loop's)", aggregation),
                           ("  idle / overhead (the rest)", rest)):
         print(f"{name:38} {seconds:>9.3f} {100 * seconds / flower_round:>6.0f}%")
     print(f"{'plain PyTorch loop round':38} {plain_round:>9.3f}")
+    print(f"{'  local compute':38} {compute:>9.3f}")
+    print(f"client compute, Flower / plain loop: {client_compute / compute:.2f}")
     bytes_round = median(flower, "bytes_sent") + median(flower, "bytes_received") if "bytes_sent" in flower[0] else 0
     print(f"bytes per round (sent + received): {bytes_round / 2**20:.1f} MiB")
     print(f"ratio Flower / plain loop: {flower_round / plain_round:.2f}")

@@ -326,9 +326,11 @@ def test_round_metrics_carry_dc_delta_g_norm_and_the_clients_statistics():
     strategy.messages_sent = 2
     d1, d2 = [1.0, 2.0, 0.0], [0.0, 1.0, 1.0]
     replies = [reply(1, {"w": torch.tensor(d1), "bn.n": torch.tensor(1)},
-                     {"positive-ratio": 0.6, "top-p-mass": 0.2, "amplified-fraction": 0.5}),
+                     {"positive-ratio": 0.6, "top-p-mass": 0.2, "amplified-fraction": 0.5,
+                      "train-seconds": 1.25}),
                reply(2, {"w": torch.tensor(d2), "bn.n": torch.tensor(1)},
-                     {"positive-ratio": 0.8, "top-p-mass": 0.4, "amplified-fraction": 0.5})]
+                     {"positive-ratio": 0.8, "top-p-mass": 0.4, "amplified-fraction": 0.5,
+                      "train-seconds": 2.5})]
     _, metrics = strategy.aggregate_train(1, replies)
     assert metrics["direction_consistency"] == pytest.approx(plain_dc([d1, d2]), rel=1e-6)
     # Delta_G = -mean(Delta_i / 0.5) = -(d1 + d2)
@@ -336,3 +338,4 @@ def test_round_metrics_carry_dc_delta_g_norm_and_the_clients_statistics():
     assert metrics["positive_ratio"] == pytest.approx(0.7)
     assert metrics["top_p_mass"] == pytest.approx(0.3)
     assert metrics["amplified_fraction"] == pytest.approx(0.5)
+    assert (metrics["client_train_seconds"], metrics["client_train_seconds_max"]) == (3.75, 2.5)

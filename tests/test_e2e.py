@@ -91,6 +91,8 @@ def test_every_method_completes_a_digits_run(algorithm, job, record_property):
     assert all(r["clients"] == 2 and r["rejected"] == 0 for r in rows[1:])
     assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in rows[1:])
     assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["test_loss"]) for r in rows[1:])
+    # each client's local work, by its own clock, lies within the server's round
+    assert all(0 < r["client_train_seconds_max"] <= min(r["client_train_seconds"], r["seconds"]) for r in rows[1:])
     # the seed's diagnostics: defined ones recorded every round (K = 10 = diagnostics.trust_every)
     assert all(-1 <= r["direction_consistency"] <= 1 for r in rows[1:])
     has_score = algorithm not in SGD_FAMILY
