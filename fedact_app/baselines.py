@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from fedact_app.optimizer_base import LazyDynamoOptimizer
+
 __all__ = ["LocalSGD", "FedLADAAdam"]
 
 
@@ -53,7 +55,7 @@ def _set_round_state(optimizer: Optimizer, key: str, arrays: Optional[Sequence[T
             state[key] = arrays[i].detach().to(device=p.device, dtype=p.dtype).clone()
 
 
-class LocalSGD(Optimizer):
+class LocalSGD(LazyDynamoOptimizer):
     r"""SGD of the SGD-family clients: FedAvg, FedProx, SCAFFOLD (option II) and FedAdam.
 
     With ``g`` the stochastic gradient at ``x``, each step is
@@ -117,7 +119,7 @@ class LocalSGD(Optimizer):
         return loss
 
 
-class FedLADAAdam(Optimizer):
+class FedLADAAdam(LazyDynamoOptimizer):
     r"""FedLADA's local amended AMSGrad (Sun, Shen, Sun, Ding, Tao 2023, "Efficient Federated
     Learning via Local Adaptive Amended Optimizer with Linear Speedup", Algorithm FedLADA).
 

@@ -26,7 +26,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+
+from fedact_app.optimizer_base import LazyDynamoOptimizer
 
 try:
     import numpy as np
@@ -80,7 +81,7 @@ def _validate_hyperparameters(
     return float(alpha), float(gamma)
 
 
-class FedACTAdamW(Optimizer):
+class FedACTAdamW(LazyDynamoOptimizer):
     r"""AdamW with a global correction and coordinate-wise trust modulation (FedACT-AdamW).
 
     One local step of the seed's Algorithm 1 (lines 6-18). In round r the client starts from

@@ -6,6 +6,9 @@ loop over the parameters, top-k by a stable descending sort. It never calls feda
 
 import copy
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -537,6 +540,33 @@ def test_device_selection_writes_top_k_into_buffers_made_once(tau, monkeypatch):
 
 
 # ---------------------------------------------------------------------- fast paths (docs/PERFORMANCE.md)
+
+
+def test_the_apps_optimizers_leave_torch_dynamo_unimported_until_something_compiles():
+    """Building FedACTAdamW, LocalSGD and FedLADAAdam, a step and zero_grad import no torch._dynamo
+    (1.3 s that every deployment round would pay: a new process per message); once it is imported,
+    torch's wrapped methods are used again. A fresh process: this one has compiled already."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from torch.optim import Optimizer
+        from fedact_app.baselines import FedLADAAdam, LocalSGD
+        from fedact_app.optim import FedACTAdamW
+        from fedact_app.optimizer_base import unless_compiling
+        for make in (FedACTAdamW, LocalSGD, FedLADAAdam):
+            p = torch.nn.Parameter(torch.randn(8))
+            opt = make([p], lr=0.1)
+            p.grad = torch.randn(8)
+            opt.step()
+            opt.zero_grad()
+            assert p.grad is None, make
+        assert "torch._dynamo" not in sys.modules
+        assert unless_compiling(Optimizer.zero_grad) is Optimizer.zero_grad.__wrapped__
+        import torch._dynamo
+        assert unless_compiling(Optimizer.add_param_group) is Optimizer.add_param_group
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stdout.strip()) == (0, "ok"), run.stderr[-2000:]
 
 
 def _stable_top_k(s, k):
