@@ -167,8 +167,8 @@ class FedACTAdamW(LazyDynamoOptimizer):
     never saved: u (parameter dtype), one flat float32 (float64) buffer per device for s and
     one bool and one selector buffer (bool on CPU, int32 on the device path): ``10 d`` bytes
     beyond the state for float32 parameters on CPU, ``13 d`` on a GPU, plus there the output of
-    ``torch.topk`` of the smaller side (``12 min(k, d-k+1)`` bytes: at most ``6 d``, at
-    tau = 0.5), all allocated once. The equations allocate nothing per step; the CPU selection
+    ``torch.topk`` of the smaller side (``12 min(k, d-k+1)`` bytes for float32 scores: about
+    ``6 d`` at tau = 0.5), all allocated once. The equations allocate nothing per step; the CPU selection
     copies what ``np.partition`` selects from (about 1 % of d, or a whole segment below 2**21
     scores).
     """
@@ -987,6 +987,7 @@ def _top_k_indicator_on_device(seg: _TrustSegment, k: int) -> None:
     values, indices = seg.top_k_buffers(k if largest else d - k + 1)
     torch.topk(s, values.numel(), largest=largest, sorted=False, out=(values, indices))
     threshold = values.min() if largest else values.max()    # k-th largest, stays on the device
+    # (scores must be finite: topk ranks NaN highest, and a NaN T selects nothing)
     torch.gt(s, threshold, out=ranks)
     need = k - ranks.sum()                                    # places left for entries equal to T
     torch.eq(s, threshold, out=mask)

@@ -12,8 +12,9 @@ and expects back::
 
     "delta":   ArrayRecord  x_i^{r,K} - x^r
     <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
-    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, partition-id and the
-                            trust-score statistics the client sampled (fedact_app.diagnostics)
+    "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, train-seconds,
+                            partition-id and the trust-score statistics the client sampled
+                            (fedact_app.diagnostics)
 
 The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
 no method state of its own. Replies that are errors or do not match the model are rejected

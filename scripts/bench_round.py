@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     flower = measured(flower_rows, args.rounds)
 
     def median(rows: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in rows)
+        return statistics.median(r.get(key, 0.0) for r in rows)
 
     compute, aggregation = median(plain, "compute"), median(plain, "aggregation")
     serde, checks = median(plain, "serde"), median(plain, "checks")
@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'plain PyTorch loop round':38} {plain_round:>9.3f}")
     print(f"{'  local compute':38} {compute:>9.3f}")
     print(f"client compute, Flower / plain loop: {client_compute / compute:.2f}")
+    if args.clients > 1 and (args.num_cpus < (os.cpu_count() or 1) or 0 < args.num_gpus < 1):
+        print("note: clients may have run at the same time (fewer CPUs or GPUs per client than the machine "
+              "has), so their summed clocks can exceed the round and the split above does not add up")
     bytes_round = median(flower, "bytes_sent") + median(flower, "bytes_received") if "bytes_sent" in flower[0] else 0
     print(f"bytes per round (sent + received): {bytes_round / 2**20:.1f} MiB")
     print(f"ratio Flower / plain loop: {flower_round / plain_round:.2f}")
