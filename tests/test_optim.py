@@ -578,8 +578,9 @@ def _stable_top_k(s, k):
 
 
 def _host_and_device_top_k(s, k, on_host):
-    seg = optim_module._TrustSegment(s, torch.empty(s.numel(), dtype=torch.bool),
-                                     torch.empty(s.numel(), dtype=torch.bool if on_host else torch.int32),
+    seg = optim_module._TrustSegment(s, torch.empty(s.numel(), dtype=torch.bool, device=s.device),
+                                     torch.empty(s.numel(), dtype=torch.bool if on_host else torch.int32,
+                                                 device=s.device),
                                      dict(tau=0.5, alpha=2.0, gamma=0.5, scale_matched=False))
     found = optim_module._threshold_on_host(seg, k, parallel=True) if on_host and 0 < k < s.numel() else None
     optim_module._top_k_indicator(seg, k, found)
@@ -685,3 +686,74 @@ def test_gathered_scores_as_off_cpu_match_reference_and_the_cpu_path(trust_signa
         results.append(params)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- on a GPU (skipped without CUDA)
+# Not run by CI (no GPU there). On a GPU machine: python3 -m pytest -q tests/test_optim.py -k cuda
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope):
+    """The CUDA path (torch.topk of the smaller side, the tie-break on the device) against the
+    float64 reference loop on the CPU, with 30 % zero gradients (ties at the threshold); every
+    step runs under torch.cuda.set_sync_debug_mode("error"), which raises at a host sync."""
+    kw = {**BASE, "trust_scope": trust_scope}
+    params = make_params()
+    ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
+    on_gpu = [p.detach().cuda().requires_grad_() for p in params]
+    opt = FedACTAdamW(on_gpu, **kw)
+    for v_bar, delta_g, gs, grads in make_rounds(params, global_steps=[0, 7], zero_frac=0.3):
+        opt.begin_round(v_bar=[t.cuda() for t in v_bar], delta_g=[t.cuda() for t in delta_g], global_step=gs)
+        ref.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
+        for step_grads in grads:
+            for p, g in zip(on_gpu, step_grads):
+                p.grad = g.cuda()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ref.step(step_grads)
+    assert_matches([p.cpu() for p in on_gpu], ref)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "all equal"])
+def test_cuda_selection_on_a_large_segment_is_exact(kind):
+    """torch.topk's multi-block path (one slice of 2^20 + 3 scores) with the device tie-break:
+    exactly floor(tau*d) ones, ties to the lowest index, as a stable sort on the CPU."""
+    d = (1 << 20) + 3
+    gen = torch.Generator().manual_seed(7)
+    s = {"normal": lambda: torch.randn(d, generator=gen),
+         "70% zeros": lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.7),
+         "five values": lambda: torch.randint(0, 5, (d,), generator=gen).float(),
+         "all equal": lambda: torch.ones(d)}[kind]()
+    for tau in (1e-6, 0.3, 0.5, 0.999999):
+        k = math.floor(tau * d)
+        top = _host_and_device_top_k(s.cuda(), k, on_host=False)
+        assert torch.equal(top.cpu(), _stable_top_k(s, k)), tau
+
+
+@needs_cuda
+def test_cuda_step_allocates_nothing_d_sized_after_the_first():
+    """After the first step (state, scratch, topk buffers), a step allocates less than d/2 bytes
+    at its peak (d = 2^22 + 1000): no d-sized temporary, not even a bool one. torch.topk's own
+    scratch (per-block digit counts, about one wave of blocks: ~0.4 MB on an H100) fits below."""
+    params = [torch.randn(2048, 2048, device="cuda", requires_grad=True),
+              torch.randn(1000, device="cuda", requires_grad=True)]
+    opt = FedACTAdamW(params, **{**BASE, "tau": 0.3})
+    opt.begin_round(v_bar=[torch.rand_like(p) for p in params], delta_g=[torch.randn_like(p) for p in params],
+                    global_step=5)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        torch.cuda.synchronize()
+        if step > 0:
+            assert torch.cuda.max_memory_allocated() - before < ((1 << 22) + 1000) // 2, step
