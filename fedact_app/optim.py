@@ -827,7 +827,8 @@ def _modulate(segments: Sequence[_TrustSegment], batches: Sequence[_ParamBatch])
     if len(host) == 1:
         found = [_threshold_on_host(host[0][0], host[0][1], parallel=True)]
     else:
-        found = _host_map(lambda item: _threshold_on_host(*item, parallel=False), host)
+        found = _host_map(lambda item: _threshold_on_host(*item, parallel=False), host,
+                          [seg.scores.numel() for seg, _ in host])
     thresholds = {id(seg): t for (seg, _), t in zip(host, found)}
     fused = set()  # batches done by one compiled pass: one global threshold, no tie, gamma > 0
     if len(found) == len(segments) == 1 and found[0][1] == segments[0].scores.numel() and values[0][2] > 0:
@@ -901,7 +902,8 @@ def _threshold_on_host(seg: _TrustSegment, k: int, parallel: bool) -> tuple[floa
             return _count_and_extract(a[i:i + step], lo, hi, above[i:i + step], inside[i:i + step])
 
         chunks = range(0, d, step)
-        parts = _host_map(work, chunks) if parallel else [work(i) for i in chunks]
+        sizes = [min(step, d - i) for i in chunks]
+        parts = _host_map(work, chunks, sizes) if parallel else [work(i) for i in chunks]
         n_above = sum(n for n, _ in parts)
         candidates = np.concatenate([c for _, c in parts])
         if 0 < k - n_above <= candidates.size:
@@ -956,17 +958,40 @@ def _index_after(a: "np.ndarray", value: float, n: int) -> int:
 _POOL: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
-def _host_map(fn: Callable, items: Sequence) -> list:
+def _host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     """``[fn(x) for x in items]`` on up to ``torch.get_num_threads()`` threads: the host selection
-    is numpy work that releases the GIL, so it can use the cores torch would use."""
+    is numpy work that releases the GIL, so it can use the cores torch would use.
+
+    The items are cut into one run of consecutive items per thread, of about equal total
+    ``sizes``; the calling thread works through the first run itself. One task per thread, not
+    one per item: handing 80 small per-tensor selections to a pool one by one cost more than
+    the second core gave (ViT-Tiny, ``trust_scope="tensor"``, docs/PERFORMANCE.md)."""
     workers = min(torch.get_num_threads(), len(items))
     if workers <= 1:
         return [fn(x) for x in items]
-    key = (os.getpid(), workers)  # a forked child builds its own pool
+    key = (os.getpid(), workers - 1)  # a forked child builds its own pool
     if key not in _POOL:
         _POOL.clear()
-        _POOL[key] = ThreadPoolExecutor(workers, thread_name_prefix="fedact-select")
-    return list(_POOL[key].map(fn, items))
+        _POOL[key] = ThreadPoolExecutor(workers - 1, thread_name_prefix="fedact-select")
+    runs = _balanced_runs(sizes, workers)
+    pending = [_POOL[key].submit(lambda run=run: [fn(items[i]) for i in run]) for run in runs[1:]]
+    results = [fn(items[i]) for i in runs[0]]
+    for future in pending:
+        results.extend(future.result())
+    return results
+
+
+def _balanced_runs(sizes: Sequence[int], n: int) -> list[range]:
+    """``n`` runs of consecutive indices into ``sizes`` (some may be empty), the j-th ending at
+    the first index where the running total reaches ``j / n`` of the whole."""
+    total, bounds, running, j = sum(sizes), [0], 0, 1
+    for i, size in enumerate(sizes):
+        running += size
+        while j < n and running * n >= total * j:
+            bounds.append(i + 1)
+            j += 1
+    bounds += [len(sizes)] * (n + 1 - len(bounds))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _top_k_indicator_on_device(seg: _TrustSegment, k: int) -> None:

@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -604,6 +605,24 @@ def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
     for tau in (1e-6, 0.3, 0.5, 0.999999):
         k = math.floor(tau * d)
         assert torch.equal(_host_and_device_top_k(s.clone(), k, on_host), _stable_top_k(s, k)), tau
+
+
+def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
+    """The host selection's thread map: results in item order, the items cut into one run of
+    consecutive items per thread by their sizes, the calling thread working too."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    sizes = [50, 1, 1, 1, 1, 1, 1, 1, 1, 30, 2]
+    seen = {}
+
+    def square(x):
+        seen[x] = threading.get_ident()
+        return x * x
+
+    assert optim_module._host_map(square, list(range(len(sizes))), sizes) == [x * x for x in range(len(sizes))]
+    assert seen[0] == threading.get_ident()  # the first run (item 0 alone: 50 of 91) stays here
+    assert len({seen[i] for i in range(1, 10)}) == 1 and seen[1] != seen[0]
+    assert seen[10] != seen[0]  # the third run: a pool thread (maybe the one that ran the second)
+    assert [list(r) for r in optim_module._balanced_runs([1, 1], 3)] == [[0], [1], []]
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
