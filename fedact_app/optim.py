@@ -44,7 +44,10 @@ _TRUST_KEYS = ("rho", "tau", "alpha", "gamma", "trust_scope", "trust_signal", "s
 
 # Threshold selection on the host (CPU + numpy); see _threshold_on_host.
 _BRACKET_MIN = 1 << 21  # below this many scores one np.partition is as fast
-_BRACKET_Z = 4.0  # bracket half-width, in standard deviations of the sample rank
+# bracket half-width, in standard deviations of the sample rank: a bracket misses T in about 1 %
+# of the steps (then a full selection runs; 8 misses in 1,500 steps at d = 2.7 M), against a
+# band 1.6x narrower than at 4 sigma: ViT-Tiny's step 1.0 ms and ResNet-18's 2.4 ms faster
+_BRACKET_Z = 2.5
 _HOST_CHUNK = 1 << 19  # scores per task: the passes over one chunk stay in cache
 _TIE_CHUNK = 1 << 20  # scan length when looking for where a straddling tie is cut
 
@@ -885,10 +888,10 @@ def _threshold_on_host(seg: _TrustSegment, k: int, parallel: bool) -> tuple[floa
 
     A large segment's sample brackets T between two of its order statistics ``lo <= hi``
     (:func:`_bracket`); one pass counts the scores above ``hi`` and extracts those in
-    ``[lo, hi]`` (about ``4 d / sqrt(n)`` of them for n samples), in chunks that stay in cache,
-    on threads when ``parallel``; a selection on the extracted scores gives T. When the bracket misses
-    (checked exactly) the selection runs on all scores and a new sample is drawn: the result is
-    exact either way.
+    ``[lo, hi]`` (about ``2.5 d / sqrt(n)`` of them for n samples at tau = 0.5), in chunks that
+    stay in cache, on threads when ``parallel``; a selection on the extracted scores gives T.
+    When the bracket misses (checked exactly) the selection runs on all scores and a new sample
+    is drawn: the result is exact either way.
     """
     a = seg.scores.numpy()
     d = a.size
