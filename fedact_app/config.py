@@ -10,14 +10,14 @@ training starts. The ServerApp, every ClientApp and the scripts call the same ``
 from __future__ import annotations
 
 import shlex
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -33,6 +33,7 @@ TASK_CHOICES = {
     "dpo": (("hh_rlhf",), LORA_MODELS),
 }
 DATASETS = tuple(dict.fromkeys(d for datasets, _ in TASK_CHOICES.values() for d in datasets))
+BUILTIN_DATASETS = ("digits", "synthetic")  # made in the process: no files, dataset.path does not apply
 MODELS = tuple(dict.fromkeys(m for _, models in TASK_CHOICES.values() for m in models))
 PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cuda", "cpu")
@@ -82,6 +83,10 @@ class DatasetConfig:
                  "in (0, 1)")
         _require(self.name != "text" or bool(self.path), "dataset.path", self.path,
                  "a local .txt file or folder of *.txt files for dataset=text")
+        file_datasets = ", ".join(d for d in DATASETS if d not in BUILTIN_DATASETS)
+        _require(self.path is None or self.name not in BUILTIN_DATASETS, "dataset.path", self.path,
+                 f"null for dataset={self.name}, which is built in and reads no files; to train on "
+                 f"your files choose the dataset they hold (one of {file_datasets}) with dataset.path")
         _require(self.num_classes >= 2, "dataset.num_classes", self.num_classes, ">= 2")
         _require(self.image_size >= 1, "dataset.image_size", self.image_size, ">= 1")
         _require(self.channels in (1, 3), "dataset.channels", self.channels, "1 or 3")
@@ -358,8 +363,32 @@ def compose(overrides: str | list[str] = ()) -> Config:
 
 
 def to_config(cfg: Any) -> Config:
-    """Turn a composed DictConfig into the validated ``Config`` (runs every range check)."""
+    """Turn a composed DictConfig into the validated ``Config`` (runs every range check). A key
+    the schema does not have fails here: Hydra lets ``+key=value`` add one to a typed config, and
+    the conversion would drop it without a word."""
+    if unknown := _unknown_keys(cfg):
+        raise ConfigError(f"Unknown config key {unknown[0]} (added with '+'?): the run would ignore it. "
+                          f"Allowed keys there: {', '.join(_allowed_keys(cfg, unknown[0]))}")
     return OmegaConf.to_object(cfg)
+
+
+def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` that its schema dataclass does not define, depth first; free-form
+    dict fields (``model.kwargs``) are not looked into."""
+    known = {f.name for f in fields(OmegaConf.get_type(node))}
+    unknown = []
+    for key in node:
+        child = node[key]
+        if key not in known:
+            unknown.append(f"{prefix}{key}")
+        elif isinstance(child, DictConfig) and is_dataclass(OmegaConf.get_type(child)):
+            unknown += _unknown_keys(child, f"{prefix}{key}.")
+    return unknown
+
+
+def _allowed_keys(cfg: DictConfig, dotted: str) -> list[str]:
+    parent = OmegaConf.select(cfg, dotted.rpartition(".")[0]) if "." in dotted else cfg
+    return sorted(f.name for f in fields(OmegaConf.get_type(parent)))
 
 
 def to_yaml(cfg: Config) -> str:

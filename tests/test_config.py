@@ -51,6 +51,28 @@ def test_unknown_keys_options_and_types_fail_naming_them(override, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("override, key, allowed", [
+    ("+algorithm.lrr=1", "algorithm.lrr", "lr, lr_min"),
+    ("+no_such_key=1", "no_such_key", "local_steps"),
+    ("+diagnostics.every=3", "diagnostics.every", "top_p, trust_every"),
+])
+def test_keys_added_with_plus_fail_instead_of_being_dropped(override, key, allowed):
+    """Hydra's own error for an unknown key suggests '+key=value', which adds the key to the typed
+    config; it must fail too, naming the key and the keys allowed there, not vanish from the run."""
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    assert f"Unknown config key {key} " in str(err.value) and allowed in str(err.value)
+    assert compose(["model.kwargs.width=8"]).model.kwargs["width"] == 8  # a free-form dict stays open
+
+
+@pytest.mark.parametrize("dataset", ["digits", "synthetic"])
+def test_a_data_path_for_a_built_in_dataset_fails(dataset):
+    """digits and synthetic read no files: a dataset.path would be ignored, so it is refused."""
+    with pytest.raises(ConfigError, match=f"dataset.path='/data/mine'.*null for dataset={dataset}.*cifar10"):
+        compose([f"dataset={dataset}", "dataset.path=/data/mine"])
+    assert compose("dataset=cifar10 dataset.path=/data/mine").dataset.path == "/data/mine"
+
+
 @pytest.mark.parametrize("override, key", [
     ("algorithm.tau=0", "algorithm.tau"),
     ("algorithm.tau=1.5", "algorithm.tau"),
