@@ -72,9 +72,12 @@ def node_partition(context: Context, num_clients: int) -> tuple[int, int]:
     partition_id, num_partitions = int(node_config["partition-id"]), int(node_config["num-partitions"])
     if num_partitions != num_clients:
         raise ValueError(
-            f"num-partitions={num_partitions} (the number of SuperNodes) differs from "
-            f"num_clients={num_clients} in the run config: set num_clients={num_partitions} in the "
-            f"overrides, or run with --federation-config \"num-supernodes={num_clients}\".")
+            f"num-partitions={num_partitions} in this SuperNode's node config differs from "
+            f"num_clients={num_clients} in the run config: one SuperNode per client. Set "
+            f"num_clients={num_partitions} in the overrides, or run {num_clients} SuperNodes: in "
+            f"simulation `python -m fedact_app.launch --num-supernodes {num_clients}` or `flwr run "
+            f"--federation-config \"num-supernodes={num_clients}\"`; in a deployment each started with "
+            f"--node-config \"partition-id=<i> num-partitions={num_clients}\".")
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id={partition_id} outside [0, {num_partitions})")
     return partition_id, num_partitions
@@ -137,10 +140,12 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     reply = RecordDict({"delta": array_record(update.delta)})
     for key, arrays in update.arrays.items():
         reply[key] = array_record(arrays)
+    # partition-id orders the server's sums and shows two nodes sharing one partition; a node
+    # with its own data-path (always partition 0 of 1) sends none
+    partition = {} if DATA_PATH_KEY in context.node_config else {"partition-id": partition_id}
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
                                      "lr-sum": update.lr_sum, "train-loss": result.loss,
-                                     "train-seconds": train_seconds, "partition-id": partition_id,
-                                     **result.diagnostics})
+                                     "train-seconds": train_seconds, **partition, **result.diagnostics})
     return reply
 
 

@@ -22,7 +22,7 @@ import json
 import math
 import time
 from datetime import datetime
-from logging import INFO
+from logging import INFO, WARNING
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -106,6 +106,21 @@ def tensorboard_writer(run_dir: Path, enabled: bool):
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 
+LOST_REPLIES = ("replies_rejected", "replies_failed", "replies_missing", "rounds_without_update")
+
+
+def reply_totals(rows: Sequence[dict]) -> dict[str, int]:
+    """The run's accepted client replies and those lost, summed over its rounds (``rejected``
+    includes ``failed``, the error replies; ``missing``: sampled nodes that never replied), and
+    the rounds in which no reply was usable (the model did not change)."""
+    rounds = [r for r in rows if r.get("round", 0) >= 1 and "clients" in r]
+    return {"replies_accepted": sum(int(r["clients"]) for r in rounds),
+            "replies_rejected": sum(int(r.get("rejected", 0)) for r in rounds),
+            "replies_failed": sum(int(r.get("failed", 0)) for r in rounds),
+            "replies_missing": sum(int(r.get("missing", 0)) for r in rounds),
+            "rounds_without_update": sum(1 for r in rounds if int(r["clients"]) == 0)}
+
+
 class RunRecorder:
     """Writes one run's folder; ``record_round`` is called once per round by the strategy loop."""
 
@@ -149,6 +164,7 @@ class RunRecorder:
             "initial_test_accuracy": evaluated[0]["test_accuracy"] if evaluated else math.nan,
             "final_test_accuracy": evaluated[-1]["test_accuracy"] if evaluated else math.nan,
             "best_test_accuracy": max((r["test_accuracy"] for r in evaluated), default=math.nan),
+            **reply_totals(self.rows),
             "run_dir": str(self.run_dir),
         }
         if not evaluated:  # language tasks: their main metric instead (docs/LANGUAGE.md)
@@ -160,4 +176,8 @@ class RunRecorder:
         log(INFO, "Done: final %s %.4f (best %.4f, initial %.4f) in %.0f s -> %s", key.replace("_", " "),
             summary[f"final_{key}"], summary[f"best_{key}"], summary[f"initial_{key}"], summary["seconds"],
             self.run_dir)
+        if lost := {k: v for k, v in summary.items() if k in LOST_REPLIES and v}:
+            log(WARNING, "Not every sampled client contributed: %s (per round in metrics.jsonl; the "
+                "reasons are logged as 'node ... failed' / 'rejected reply')",
+                ", ".join(f"{k} {v}" for k, v in lost.items()))
         return summary

@@ -13,7 +13,8 @@ and expects back::
     "delta":   ArrayRecord  x_i^{r,K} - x^r
     <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
     "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, train-seconds,
-                            partition-id and the trust-score statistics the client sampled
+                            partition-id (none from a node with its own data-path) and the
+                            trust-score statistics the client sampled
                             (fedact_app.diagnostics)
 
 The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
@@ -134,6 +135,22 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
+def warn_shared_partitions(server_round: int, order: Sequence[tuple[float, int]]) -> None:
+    """Log a warning when accepted replies of one round name the same partition-id: two SuperNodes
+    started with one ``--node-config "partition-id=i ..."`` train on the same data while another
+    partition is never used. (``order``: (partition-id, node id) per reply; -1: none reported, as
+    for a node with its own data-path.)"""
+    nodes: dict[float, list[int]] = {}
+    for partition, node in order:
+        if partition >= 0:
+            nodes.setdefault(partition, []).append(node)
+    for partition, shared in sorted(nodes.items()):
+        if len(shared) > 1:
+            log(WARNING, "round %d: nodes %s all train partition-id=%d: each SuperNode needs its own "
+                "partition-id in 0..num-partitions-1", server_round, ", ".join(map(str, sorted(shared))),
+                int(partition))
+
+
 class AlgorithmStrategy(Strategy):
     """One strategy for every method: sampling, messaging and reply checks around a ``ServerRule``."""
 
@@ -241,6 +258,7 @@ class AlgorithmStrategy(Strategy):
         # Sums of floats depend on their order and replies arrive in any order: aggregate in a
         # fixed one (the client's partition id, then node id), so a run repeats bit for bit.
         ranked = sorted(range(len(updates)), key=order.__getitem__)
+        warn_shared_partitions(server_round, order)
         updates, client_metrics = [updates[i] for i in ranked], [client_metrics[i] for i in ranked]
         self.state = self.rule.aggregate(self.state, updates)
         total = sum(u.num_examples for u in updates)
@@ -296,6 +314,7 @@ class AlgorithmStrategy(Strategy):
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
         arrays = array_record(self.state)
+        updated_rounds = 0
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)
@@ -310,6 +329,7 @@ class AlgorithmStrategy(Strategy):
             row.update(evaluate_fn(server_round, self.state) or {})
             row["seconds"] = time.perf_counter() - started
             on_round_end(row)
+            updated_rounds += new_arrays is not None
             self.empty_rounds = 0 if new_arrays is not None else self.empty_rounds + 1
             if after_round is not None:
                 after_round(server_round)
@@ -318,4 +338,9 @@ class AlgorithmStrategy(Strategy):
                     f"No usable client reply in {self.empty_rounds} consecutive rounds (up to round "
                     f"{server_round}); stopping (max_empty_rounds={self.max_empty_rounds}). The "
                     f"reasons are logged above as 'node ... failed' / 'rejected reply'.")
+        if updated_rounds == 0 and num_rounds >= first_round:
+            # fewer rounds than max_empty_rounds, none of them usable: not a completed run
+            raise RuntimeError(
+                f"No usable client reply in any of the rounds {first_round}..{num_rounds}: the model "
+                f"was never updated. The reasons are logged above as 'node ... failed' / 'rejected reply'.")
         return self.state

@@ -317,11 +317,15 @@ def test_superlink_refuses_plain_http_and_foreign_certificates(deployment):
         deployment.wrong_ca_error.lower(), deployment.wrong_ca_error
 
 
-def test_node_config_mismatch_is_reported_in_the_run_log(deployment):
+def test_node_config_mismatch_is_reported_in_the_run_log_and_fails_the_run(deployment):
+    """Every node refuses the run (num-partitions != num_clients): its one round has no usable
+    reply, fewer rounds than max_empty_rounds, and the run fails instead of ending completed."""
     dep = deployment
-    assert dep.mismatch_state.startswith("finished"), dep.mismatch_log[-3000:]
+    assert dep.mismatch_state == "finished:failed", dep.mismatch_log[-3000:]
+    assert "No usable client reply in any of the rounds 1..1" in dep.mismatch_log, dep.mismatch_log[-3000:]
     assert "num-partitions=2" in dep.mismatch_log and "num_clients=3" in dep.mismatch_log, \
         dep.mismatch_log[-3000:]
+    assert "--node-config \"partition-id=<i> num-partitions=3\"" in dep.mismatch_log  # the deployment fix
 
 
 def test_cluster_status_and_down_stop_every_process(deployment):
@@ -378,6 +382,7 @@ def test_supernode_with_its_own_data_path_trains_on_it(tmp_path):
         run_id = lc.submit(cluster, ROOT, overrides=overrides)
         state, details, log = lc.wait_run(cluster, run_id, timeout=360)
         assert state == "finished:completed", f"{state} {details}\n{log[-4000:]}"
+        assert "all train partition-id" not in log  # own-data nodes (each partition 0 of 1) share none
         for node, (folder, n_train) in zip(cluster.nodes, sites.values()):
             assert f"data-path={folder}, {n_train} training examples" in lc.tail(node.log, 400)
         (folder,) = list((tmp_path / "outputs").iterdir())

@@ -51,3 +51,34 @@ def test_tensorboard_can_be_switched_off(tmp_path):
     recorder = RunRecorder(tmp_path, compose(["tensorboard=false"]))
     recorder.record_round(ROWS[0])
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_summary_counts_the_replies_lost_and_warns(tmp_path, caplog):
+    """summary.json sums the rounds' accepted, rejected (of them failed) and missing replies and
+    the rounds without an update; the end of the log says when some were lost."""
+    recorder = RunRecorder(tmp_path, compose(["num_rounds=3", "tensorboard=false"]))
+    counts = [(2, 1, 1, 0), (0, 2, 0, 1), (3, 0, 0, 0)]  # clients, rejected, failed, missing per round
+    rows = [{"round": 0, "test_accuracy": 0.1, "test_loss": 2.0}] + [
+        {"round": r, "clients": c, "rejected": rej, "failed": f, "missing": m, "test_accuracy": 0.3, "test_loss": 1.5}
+        for r, (c, rej, f, m) in enumerate(counts, start=1)]
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        for row in rows:
+            recorder.record_round(row)
+        summary = recorder.finish({"w": torch.zeros(2)})
+    assert {k: summary[k] for k in ("replies_accepted", "replies_rejected", "replies_failed", "replies_missing",
+                                    "rounds_without_update")} == {
+        "replies_accepted": 5, "replies_rejected": 3, "replies_failed": 1, "replies_missing": 1,
+        "rounds_without_update": 1}
+    assert json.loads((tmp_path / "summary.json").read_text())["replies_rejected"] == 3
+    assert "Not every sampled client contributed: replies_rejected 3, replies_failed 1, replies_missing 1, " \
+           "rounds_without_update 1" in caplog.text
+
+
+def test_summary_of_a_clean_run_warns_of_nothing(tmp_path, caplog):
+    recorder = RunRecorder(tmp_path, compose(["num_rounds=2", "tensorboard=false"]))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        for row in ROWS:
+            recorder.record_round(row)
+        summary = recorder.finish({"w": torch.zeros(2)})
+    assert summary["replies_accepted"] == 4 and summary["replies_rejected"] == 0
+    assert "Not every sampled client" not in caplog.text

@@ -1,6 +1,7 @@
 """Bad input never reaches training or the global state: config values (each category of the
 issue), configs the data cannot feed, and bad client replies built as real Flower messages."""
 
+import logging
 import time
 
 import numpy as np
@@ -220,3 +221,26 @@ def test_aggregation_does_not_depend_on_the_order_replies_arrive_in():
     for state, rule in results[1:]:
         assert all(torch.equal(state[n], results[0][0][n]) for n in STATE)
         assert all(torch.equal(rule[k][n], results[0][1][k][n]) for k in rule for n in TRAINABLE)
+
+
+def with_partition(partition_id):
+    content = good_content()
+    content["metrics"] = MetricRecord({**dict(content["metrics"]), "partition-id": partition_id})
+    return content
+
+
+def test_two_nodes_training_one_partition_are_warned_of(caplog):
+    """Two SuperNodes started with the same partition-id train the same data: the round says so,
+    naming the nodes and the partition; distinct ids and replies without one (own data-path) do not."""
+    strategy = fedact_strategy()
+    strategy.messages_sent = 4
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.aggregate_train(3, [reply(12, with_partition(1)), reply(11, with_partition(1)),
+                                     reply(13, with_partition(0)), reply(14, good_content())])
+    assert "round 3: nodes 11, 12 all train partition-id=1" in caplog.text
+    assert "partition-id=0" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.aggregate_train(4, [reply(15, good_content()), reply(16, good_content()),
+                                     reply(17, with_partition(0)), reply(18, with_partition(2))])
+    assert "all train partition-id" not in caplog.text
