@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation"]
+__all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "supernodes_for"]
 
 CONNECTION = "fedact-launch"  # name of the only connection in the private config.toml
 STARTUP_TIMEOUT = 60.0  # seconds for the SuperLink to answer /health
@@ -593,6 +593,27 @@ def _parse_run_config(items: Iterable[str]) -> dict[str, Any]:
     return config
 
 
+def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
+    """The number of SuperNodes to simulate. For a FedACT app (``conf/config.yaml``) the overrides
+    are composed here first, so a bad key or value fails in a second with its message (ValueError)
+    instead of inside the run, and there is one SuperNode per client: ``num_clients`` by default;
+    another number is refused, since every ClientApp would refuse the run."""
+    if not (app / "conf" / "config.yaml").is_file():
+        return 2 if requested is None else requested
+    from fedact_app.config import compose  # Hydra: only for the app's own configuration
+
+    try:
+        cfg = compose(overrides)
+    except Exception as err:  # noqa: BLE001 - ConfigError and Hydra's composition and type errors
+        cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
+        raise ValueError(f"{err}{cause}".strip()) from None
+    if requested is not None and requested != cfg.num_clients:
+        raise ValueError(f"--num-supernodes {requested} differs from num_clients={cfg.num_clients}: "
+                         f"each SuperNode is one client; pass --num-supernodes {cfg.num_clients}, or "
+                         f"num_clients={requested} in --overrides")
+    return cfg.num_clients
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fedact_app.launch",
@@ -601,7 +622,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
     parser.add_argument("--overrides", default="", help="value of the app's `overrides` key")
-    parser.add_argument("--num-supernodes", type=int, default=2)
+    parser.add_argument("--num-supernodes", type=int, default=None,
+                        help="SuperNodes, one per client (default: num_clients of this FedACT app's "
+                             "config with the overrides; 2 for another app)")
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per ClientApp")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per ClientApp")
     parser.add_argument(
@@ -619,10 +642,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
 
     try:
+        num_supernodes = supernodes_for(Path(args.app), args.overrides, args.num_supernodes)
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    try:
         result = run_simulation(
             args.app,
             overrides=args.overrides,
-            num_supernodes=args.num_supernodes,
+            num_supernodes=num_supernodes,
             num_cpus_per_client=args.num_cpus,
             num_gpus_per_client=args.num_gpus,
             run_config=run_config,

@@ -266,6 +266,22 @@ def test_rejects_bad_arguments(tmp_path: Path) -> None:
     assert launch.main(["--app", str(tmp_path / "missing")]) == 2
 
 
+def test_fedact_config_is_checked_before_anything_starts(tmp_path: Path, capsys) -> None:
+    """For this app (its conf/config.yaml) the launcher composes the overrides itself: a bad value
+    or a SuperNode count other than num_clients fails at once, naming them; the count defaults
+    to num_clients. Another app keeps the given count (default 2)."""
+    assert launch.supernodes_for(REPO_ROOT, "num_clients=4", None) == 4
+    assert launch.supernodes_for(REPO_ROOT, "num_clients=4", 4) == 4
+    with pytest.raises(ValueError, match=r"--num-supernodes 3 differs from num_clients=4.*--num-supernodes 4"):
+        launch.supernodes_for(REPO_ROOT, "num_clients=4", 3)
+    with pytest.raises(ValueError, match=r"algorithm.lr=abc.*could not be converted to Float"):
+        launch.supernodes_for(REPO_ROOT, "algorithm.lr=abc", None)
+    assert launch.supernodes_for(tmp_path, "anything at all", None) == 2
+    assert launch.supernodes_for(tmp_path, "", 5) == 5
+    assert launch.main(["--app", str(REPO_ROOT), "--overrides", "algorithm.tau=0"]) == 2
+    assert "config error: Invalid config value algorithm.tau=0.0" in capsys.readouterr().err
+
+
 def test_pid_alive() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     assert pid_alive(proc.pid) or proc.poll() is not None
