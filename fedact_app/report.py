@@ -5,10 +5,12 @@ A *run folder* is any folder holding ``metrics.jsonl`` and ``config.yaml`` (feda
 a path given here is a run folder itself, a sweep folder (scripts/sweep.py) or any folder with run
 folders at any depth below it. A run counts as completed when it has ``summary.json`` and no sweep
 ``summary.jsonl`` above it lists its job with another status; only completed runs are loaded (the
-others are skipped with a warning). Runs of one method whose algorithm settings differ (an
-ablation sweep over rho, tau, gamma, ...) are told apart by those settings, e.g.
-``FedACT (rho=0.3)``. Runs of the same method, settings, setting and seed are one run: the newest
-folder (by name, which starts with its start time) is kept.
+others are skipped with a warning). Runs of one method whose algorithm settings or training
+settings (``TRAINING_KEYS``: rounds, clients, participation, local steps, batch, precision, wire
+dtype) differ (an ablation sweep over rho, tau, local_steps, ...) are told apart by those
+settings, e.g. ``FedACT (rho=0.3)``, ``FedACT (local_steps=5)``. Runs of the same method,
+settings, setting and seed are one run: the newest folder (by name, which starts with its start
+time) is kept.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ DATASETS = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "tiny_imagenet": "Ti
             "fashion_mnist": "Fashion-MNIST", "digits": "Digits", "synthetic": "Synthetic",
             "c4": "C4-en", "text": "Text", "alpaca_gpt4": "Alpaca-GPT4", "hh_rlhf": "HH-RLHF"}
 VALUE_KINDS = ("final", "best")
+# Top-level run settings that change what a method reaches: runs that differ in one are rows of
+# their own, never seeds of one row (nor duplicates of each other)
+TRAINING_KEYS = ("num_rounds", "num_clients", "fraction_train", "min_train_nodes", "local_steps",
+                 "batch_size", "precision", "wire_dtype")
 
 Warn = Callable[[str], None]
 
@@ -100,7 +106,7 @@ class Run:
     setting: Setting
     seed: int
     rows: tuple[dict, ...]
-    hyperparameters: tuple[tuple[str, str], ...] = ()  # the algorithm config but its name, sorted
+    hyperparameters: tuple[tuple[str, str], ...] = ()  # the algorithm config but its name and TRAINING_KEYS, sorted
     variant: str = ""  # the hyperparameters that tell this run from others of its method
 
     @property
@@ -229,7 +235,8 @@ def load_run(path: Path) -> Run:
     if any("round" not in row for row in rows):
         raise ReportError(f"{path / 'metrics.jsonl'}: a row without 'round'")
     algorithm = _config_value(config, "algorithm", config_path)
-    hyperparameters = tuple(sorted((key, str(value)) for key, value in algorithm.items() if key != "name"))
+    hyperparameters = tuple(sorted([(key, str(value)) for key, value in algorithm.items() if key != "name"]
+                                   + [(key, str(config[key])) for key in TRAINING_KEYS if key in config]))
     return Run(path=path, algorithm=_config_value(config, "algorithm.name", config_path),
                setting=setting, seed=int(_config_value(config, "seed", config_path)),
                rows=tuple(sorted(rows, key=lambda row: row["round"])), hyperparameters=hyperparameters)

@@ -40,14 +40,14 @@ def trust_value(metric: str, algorithm: str, alpha: float, seed: int, rnd: int) 
 
 
 def write_run(folder: Path, algorithm: str, alpha: float, seed: int, trust: bool = True,
-              finished: bool = True, rho: float = 0.5) -> Path:
+              finished: bool = True, rho: float = 0.5, local_steps: int = 50) -> Path:
     """A run folder as fedact_app.results writes it (the config reduced to the keys read)."""
     run_dir = folder / f"20260101-000000_{algorithm}_cifar10_vit_tiny_dir{alpha:g}_s{seed}"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(
         f"dataset:\n  name: cifar10\nmodel:\n  name: vit_tiny\npartition:\n  name: dirichlet\n"
         f"  alpha: {alpha}\nalgorithm:\n  name: {algorithm}\n  lr: 0.0003\n  rho: {rho}\n"
-        f"num_rounds: 3\nseed: {seed}\n")
+        f"num_rounds: 3\nlocal_steps: {local_steps}\nseed: {seed}\n")
     rows = []
     for rnd, accuracy in enumerate(accuracies(algorithm, alpha, seed)):
         row = {"round": rnd, "test_loss": 2.0 - rnd / 10, "test_accuracy": accuracy}
@@ -135,6 +135,17 @@ def test_an_ablation_sweep_keeps_its_variants_apart(tmp_path, capsys):
     assert table.main([str(tmp_path), "--out", str(tmp_path / "tab")]) == 0
     markdown = (tmp_path / "tab" / "table.md").read_text()
     assert all(f"| FedACT (rho={rho}) |" in markdown for rho in (0.3, 0.5, 0.7))
+
+
+def test_runs_that_differ_in_a_training_setting_are_rows_of_their_own(tmp_path):
+    """Two sweeps of one method and seed with other local_steps: not one run kept as a duplicate
+    of the other (nor two seeds of one row), but one row each, named by the setting."""
+    write_run(tmp_path / "k5", "fedact", 0.6, 1, local_steps=5)
+    write_run(tmp_path / "k50", "fedact", 0.6, 1, local_steps=50)
+    warnings = []
+    runs = report.load_runs([tmp_path], warn=warnings.append)
+    assert sorted(r.method for r in runs) == ["FedACT (local_steps=5)", "FedACT (local_steps=50)"]
+    assert warnings == []
 
 
 def test_mean_std():
