@@ -51,6 +51,7 @@ METADATA_KEY = "fedact"
 COMPATIBLE_KEYS = ("algorithm", "model", "dataset", "partition", "seed", "num_clients", "local_steps",
                    "batch_size", "task", "language")
 NEWER_KEYS = ("task", "language")  # absent from older checkpoints (vision runs): taken as the current values
+SPEED_ONLY_KEYS = ("algorithm.compile",)  # how the step runs, not what it computes: free to change on resume
 
 
 # ---------------------------------------------------------------- atomic files
@@ -191,14 +192,24 @@ def resolve_resume(resume: str) -> Path:
     return path
 
 
+def _leaves(value, prefix: str) -> dict[str, object]:
+    """A nested config mapping as ``{dotted key: value}`` (a non-mapping is its own leaf)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    return {key: leaf for name, child in value.items() for key, leaf in _leaves(child, f"{prefix}.{name}").items()}
+
+
 def check_compatible(ckpt: Checkpoint, cfg: Config, source: Path) -> None:
     """The resuming run must train the same problem the same way; ``num_rounds`` may grow."""
     saved = OmegaConf.to_container(OmegaConf.create(ckpt.config))
     current = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
     saved.update({key: current.get(key) for key in NEWER_KEYS if key not in saved and cfg.task == "vision"})
-    differ = [key for key in COMPATIBLE_KEYS if saved.get(key) != current.get(key)]
+    before = {k: v for key in COMPATIBLE_KEYS for k, v in _leaves(saved.get(key), key).items()}
+    now = {k: v for key in COMPATIBLE_KEYS for k, v in _leaves(current.get(key), key).items()}
+    differ = [key for key in sorted(before.keys() | now.keys())
+              if key not in SPEED_ONLY_KEYS and before.get(key) != now.get(key)]
     if differ:
-        details = "; ".join(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}" for key in differ)
+        details = "; ".join(f"{key}: checkpoint {before.get(key)!r}, now {now.get(key)!r}" for key in differ)
         raise ConfigError(f"Invalid config value resume={str(source)!r}: allowed a checkpoint of a run with "
                           f"the same {', '.join(COMPATIBLE_KEYS)}; these differ: {details}")
     if cfg.num_rounds <= ckpt.round:
