@@ -242,6 +242,11 @@ def load_run(path: Path) -> Run:
                rows=tuple(sorted(rows, key=lambda row: row["round"])), hyperparameters=hyperparameters)
 
 
+def run_columns(runs: Iterable[Run]) -> list[str]:
+    """The metrics.jsonl columns that at least one of ``runs`` has (without ``round``), sorted."""
+    return sorted({key for run in runs for row in run.rows for key in row} - {"round"})
+
+
 def with_variants(runs: Sequence[Run]) -> list[Run]:
     """``runs`` with each one's ``variant``: the algorithm settings that differ between the runs
     of its method (none when they all agree)."""

@@ -31,7 +31,7 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 from fedact_app.report import (  # noqa: E402
-    METHODS, Curve, ReportError, Run, Setting, curves, group_runs, load_runs)
+    METHODS, Curve, ReportError, Run, Setting, curves, group_runs, load_runs, run_columns)
 
 METRIC_LABELS = {
     "test_accuracy": "Test accuracy",
@@ -99,14 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="run folders, sweep folders or folders with runs")
     parser.add_argument("--out", type=Path, required=True, help="folder for the PNG and PDF files")
-    parser.add_argument("--metric", nargs="+", default=list(METRIC_LABELS), dest="metrics",
-                        help="metrics.jsonl columns to plot (default: %(default)s)")
+    parser.add_argument("--metric", nargs="+", default=None, dest="metrics",
+                        help=f"metrics.jsonl columns to plot (default: {' '.join(METRIC_LABELS)})")
     args = parser.parse_args(argv)
     try:
-        plot_runs(load_runs(args.paths), args.metrics, args.out)
+        runs = load_runs(args.paths)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.metrics and (absent := [m for m in args.metrics if m not in run_columns(runs)]):
+        print(f"error: no run has the column {', '.join(absent)}; the runs' columns: "
+              f"{', '.join(run_columns(runs))}", file=sys.stderr)
+        return 2
+    plot_runs(runs, args.metrics or list(METRIC_LABELS), args.out)
     return 0
 
 

@@ -31,7 +31,8 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 from fedact_app.report import (  # noqa: E402
-    DATASETS, MODELS, VALUE_KINDS, ReportError, Setting, in_percent, load_runs, lower_is_better, value_cells)
+    DATASETS, MODELS, VALUE_KINDS, ReportError, Setting, in_percent, load_runs, lower_is_better, run_columns,
+    value_cells)
 
 Cells = dict[str, dict[Setting, tuple[float, Optional[float]]]]
 CAPTIONS = {"final": "at the last evaluated round", "best": "best over rounds"}
@@ -155,12 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for table.md and table.tex")
     args = parser.parse_args(argv)
     try:
-        cells = value_cells(load_runs(args.paths), args.column, args.metric)
+        runs = load_runs(args.paths)
+        cells = value_cells(runs, args.column, args.metric)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not cells:
-        print(f"error: no run has {args.column}", file=sys.stderr)
+        print(f"error: no run has {args.column}; the runs' columns: {', '.join(run_columns(runs))}",
+              file=sys.stderr)
         return 2
     markdown = markdown_table(cells, args.column, args.metric)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -283,6 +283,17 @@ def test_plot_main_writes_png_and_pdf(sweep_dir, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_a_metric_no_run_has_is_an_error_naming_the_columns(sweep_dir, tmp_path, capsys):
+    """A mistyped --metric / --column writes nothing and fails, listing the columns the runs have
+    (a metric only some methods have, as the trust scores, is a note per figure instead)."""
+    assert plot.main([str(sweep_dir), "--out", str(tmp_path / "p"), "--metric", "test_acc"]) == 2
+    err = capsys.readouterr().err
+    assert "error: no run has the column test_acc; the runs' columns: clients, " in err and "test_accuracy" in err
+    assert not (tmp_path / "p").exists()
+    assert table.main([str(sweep_dir), "--column", "test_acc", "--out", str(tmp_path / "t")]) == 2
+    assert "error: no run has test_acc; the runs' columns: clients, " in capsys.readouterr().err
+
+
 def test_plot_script_runs_as_a_command(sweep_dir, tmp_path):
     out = tmp_path / "cmd"
     proc = subprocess.run([sys.executable, str(APP_DIR / "scripts" / "plot.py"), str(sweep_dir),
