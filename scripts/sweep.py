@@ -188,7 +188,8 @@ def main(cfg: DictConfig) -> None:
     done, total = (len(rows), sweep_size(sweep_dir)) if hc.mode == RunMode.MULTIRUN else (1, 1)
     print(f"[sweep] {done}/{total} job {row['job']}: {row['status']} ({row['overrides']})"
           + (f" final test accuracy {row['final_test_accuracy']:.4f}"
-             if row["final_test_accuracy"] is not None else ""), flush=True)
+             if row["final_test_accuracy"] is not None else "")
+          + (f": {row['error'].splitlines()[-1][:300]}" if row["error"] else ""), flush=True)
 
 
 def cli(argv: list[str]) -> int:

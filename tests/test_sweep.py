@@ -30,6 +30,8 @@ def test_sweep_runs_each_combination_and_lists_the_failure(tmp_path):
     assert [r["job"] for r in rows] == ["0", "1"]
     bad, good = rows
     assert bad["status"] == "invalid config" and "algorithm.tau" in bad["error"]
+    assert "job 0: invalid config (algorithm.tau=2" in proc.stdout and \
+        "Invalid config value algorithm.tau=2.0" in proc.stdout  # the reason on the console too
     assert good["status"] == "completed", good
     assert "algorithm.tau=0.5" in good["overrides"]
     run_dir = Path(good["run_dir"])
