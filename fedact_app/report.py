@@ -248,8 +248,8 @@ def run_columns(runs: Iterable[Run]) -> list[str]:
 
 
 def with_variants(runs: Sequence[Run]) -> list[Run]:
-    """``runs`` with each one's ``variant``: the algorithm settings that differ between the runs
-    of its method (none when they all agree)."""
+    """``runs`` with each one's ``variant``: the settings (algorithm and ``TRAINING_KEYS``) that
+    differ between the runs of its method (none when they all agree)."""
     by_algorithm: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
         by_algorithm[run.algorithm].append(run)
