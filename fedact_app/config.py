@@ -349,15 +349,16 @@ class Config:
 ConfigStore.instance().store(name="schema", node=Config)
 
 
-def compose(overrides: str | list[str] = ()) -> Config:
+def compose(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR) -> Config:
     """Compose ``conf/config.yaml`` with Hydra overrides and return the validated ``Config``.
 
     ``overrides`` is a list of Hydra overrides or one string of them as written on a command line
     (the Flower run config's ``overrides`` value), e.g. ``"dataset=cifar100 partition.alpha=0.1"``.
+    ``conf_dir``: another app folder's ``conf/`` (the launcher checks the app it submits).
     """
     if isinstance(overrides, str):
         overrides = shlex.split(overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=list(overrides))
     return to_config(cfg)
 

@@ -603,7 +603,7 @@ def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
     from fedact_app.config import compose  # Hydra: only for the app's own configuration
 
     try:
-        cfg = compose(overrides)
+        cfg = compose(overrides, conf_dir=app / "conf")
     except Exception as err:  # noqa: BLE001 - ConfigError and Hydra's composition and type errors
         cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
         raise ValueError(f"{err}{cause}".strip()) from None

@@ -5,6 +5,7 @@ The e2e tests start a real private SuperLink each (~15-25 s on a 2-core machine)
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,6 +277,11 @@ def test_fedact_config_is_checked_before_anything_starts(tmp_path: Path, capsys)
         launch.supernodes_for(REPO_ROOT, "num_clients=4", 3)
     with pytest.raises(ValueError, match=r"algorithm.lr=abc.*could not be converted to Float"):
         launch.supernodes_for(REPO_ROOT, "algorithm.lr=abc", None)
+    app = tmp_path / "other-checkout"  # the app's own conf/ is read, not the installed package's
+    shutil.copytree(REPO_ROOT / "conf", app / "conf")
+    config = app / "conf" / "config.yaml"
+    config.write_text(config.read_text().replace("\nnum_clients: 10", "\nnum_clients: 7"))
+    assert launch.supernodes_for(app, "", None) == 7
     assert launch.supernodes_for(tmp_path, "anything at all", None) == 2
     assert launch.supernodes_for(tmp_path, "", 5) == 5
     assert launch.main(["--app", str(REPO_ROOT), "--overrides", "algorithm.tau=0"]) == 2
