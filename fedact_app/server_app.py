@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 import torch
@@ -59,6 +59,10 @@ def main(grid: Grid, context: Context) -> None:
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
+    if cfg.local_steps < cfg.diagnostics.trust_every:
+        log(WARNING, "local_steps=%d < diagnostics.trust_every=%d: clients sample no trust-score "
+            "statistics (positive_ratio, top_p_mass, amplified_fraction); lower diagnostics.trust_every "
+            "to get them", cfg.local_steps, cfg.diagnostics.trust_every)
 
     evaluator = CentralEvaluator(cfg, task, model)
     recorder = RunRecorder(create_run_dir(cfg), cfg, earlier_rows=resume[1].rows if resume else ())

@@ -157,6 +157,7 @@ def test_rounds_without_usable_replies_stop_the_run_with_the_reason(tmp_path):
     text = result.log + result.details
     assert "No usable client reply in 2 consecutive rounds" in text
     assert "num_clients=3" in text  # the ClientApp's reason reaches the run's log
+    assert "local_steps=2 < diagnostics.trust_every=10: clients sample no trust-score" in text
     rows = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert all(r["clients"] == 0 and r["rejected"] == 2 for r in rows[1:])
