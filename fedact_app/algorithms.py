@@ -443,6 +443,12 @@ class Algorithm:
     uses: frozenset[str]
     required: dict = field(default_factory=dict)  # algorithm config values the method fixes
 
+    @property
+    def samples_trust_scores(self) -> bool:
+        """Whether its clients have a trust score to sample (fedact_app.diagnostics): the local
+        rule reads an update direction (the SGD family has none)."""
+        return self.local.last_step_direction is not LocalRule.last_step_direction
+
 
 _COMMON = frozenset({"lr", "lr_min", "weight_decay", "server_lr", "weighting"})
 _ADAM = frozenset({"betas", "eps"})

@@ -594,11 +594,12 @@ def _parse_run_config(items: Iterable[str]) -> dict[str, Any]:
 
 
 def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
-    """The number of SuperNodes to simulate. For a FedACT app (``conf/config.yaml``) the overrides
-    are composed here first, so a bad key or value fails in a second with its message (ValueError)
-    instead of inside the run, and there is one SuperNode per client: ``num_clients`` by default;
-    another number is refused, since every ClientApp would refuse the run."""
-    if not (app / "conf" / "config.yaml").is_file():
+    """The number of SuperNodes to simulate. For a FedACT app (a checkout with
+    ``fedact_app/config.py`` and ``conf/config.yaml``) the overrides are composed here first, so a
+    bad key or value fails in a second with its message (ValueError) instead of inside the run,
+    and there is one SuperNode per client: ``num_clients`` by default; another number is refused,
+    since every ClientApp would refuse the run. Another app: ``requested``, default 2."""
+    if not ((app / "fedact_app" / "config.py").is_file() and (app / "conf" / "config.yaml").is_file()):
         return 2 if requested is None else requested
     from fedact_app.config import compose  # Hydra: only for the app's own configuration
 
@@ -642,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
 
     try:
-        num_supernodes = supernodes_for(Path(args.app), args.overrides, args.num_supernodes)
+        submitted = args.overrides or str(run_config.get("overrides", ""))  # what run_simulation sends
+        num_supernodes = supernodes_for(Path(args.app), submitted, args.num_supernodes)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

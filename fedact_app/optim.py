@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -969,6 +969,8 @@ def _host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     ``sizes``; the calling thread works through the first run itself. One task per thread, not
     one per item: handing 80 small per-tensor selections to a pool one by one cost more than
     the second core gave (ViT-Tiny, ``trust_scope="tensor"``, docs/PERFORMANCE.md)."""
+    if len(sizes) != len(items):
+        raise ValueError(f"_host_map: {len(sizes)} sizes for {len(items)} items")
     workers = min(torch.get_num_threads(), len(items))
     if workers <= 1:
         return [fn(x) for x in items]
@@ -978,7 +980,10 @@ def _host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
         _POOL[key] = ThreadPoolExecutor(workers - 1, thread_name_prefix="fedact-select")
     runs = _balanced_runs(sizes, workers)
     pending = [_POOL[key].submit(lambda run=run: [fn(items[i]) for i in run]) for run in runs[1:]]
-    results = [fn(items[i]) for i in runs[0]]
+    try:
+        results = [fn(items[i]) for i in runs[0]]
+    finally:  # also when this thread's run raised: no task may go on writing the step's scratch
+        wait(pending)
     for future in pending:
         results.extend(future.result())
     return results

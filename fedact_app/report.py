@@ -6,8 +6,8 @@ a path given here is a run folder itself, a sweep folder (scripts/sweep.py) or a
 folders at any depth below it. A run counts as completed when it has ``summary.json`` and no sweep
 ``summary.jsonl`` above it lists its job with another status; only completed runs are loaded (the
 others are skipped with a warning). Runs of one method whose algorithm settings or training
-settings (``TRAINING_KEYS``: rounds, clients, participation, local steps, batch, precision, wire
-dtype) differ (an ablation sweep over rho, tau, local_steps, ...) are told apart by those
+settings (``TRAINING_KEYS``: clients, participation, local steps, batch, precision, wire dtype)
+differ (an ablation sweep over rho, tau, local_steps, ...) are told apart by those
 settings, e.g. ``FedACT (rho=0.3)``, ``FedACT (local_steps=5)``. Runs of the same method,
 settings, setting and seed are one run: the newest folder (by name, which starts with its start
 time) is kept.
@@ -42,9 +42,11 @@ DATASETS = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "tiny_imagenet": "Ti
             "c4": "C4-en", "text": "Text", "alpaca_gpt4": "Alpaca-GPT4", "hh_rlhf": "HH-RLHF"}
 VALUE_KINDS = ("final", "best")
 # Top-level run settings that change what a method reaches: runs that differ in one are rows of
-# their own, never seeds of one row (nor duplicates of each other)
-TRAINING_KEYS = ("num_rounds", "num_clients", "fraction_train", "min_train_nodes", "local_steps",
-                 "batch_size", "precision", "wire_dtype")
+# their own, never seeds of one row (nor duplicates of each other). Not num_rounds: a resumed run
+# that raised it continues the earlier one (the newest is kept). Older run folders lack the keys
+# added later, which then had these values:
+TRAINING_KEYS = {"num_clients": None, "fraction_train": None, "min_train_nodes": None, "local_steps": None,
+                 "batch_size": None, "precision": "fp32", "wire_dtype": "float32"}
 
 Warn = Callable[[str], None]
 
@@ -236,7 +238,8 @@ def load_run(path: Path) -> Run:
         raise ReportError(f"{path / 'metrics.jsonl'}: a row without 'round'")
     algorithm = _config_value(config, "algorithm", config_path)
     hyperparameters = tuple(sorted([(key, str(value)) for key, value in algorithm.items() if key != "name"]
-                                   + [(key, str(config[key])) for key in TRAINING_KEYS if key in config]))
+                                   + [(key, str(config.get(key, default))) for key, default in TRAINING_KEYS.items()
+                                      if key in config or default is not None]))
     return Run(path=path, algorithm=_config_value(config, "algorithm.name", config_path),
                setting=setting, seed=int(_config_value(config, "seed", config_path)),
                rows=tuple(sorted(rows, key=lambda row: row["round"])), hyperparameters=hyperparameters)

@@ -59,7 +59,7 @@ def main(grid: Grid, context: Context) -> None:
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
-    if cfg.local_steps < cfg.diagnostics.trust_every:
+    if ALGORITHMS[cfg.algorithm.name].samples_trust_scores and cfg.local_steps < cfg.diagnostics.trust_every:
         log(WARNING, "local_steps=%d < diagnostics.trust_every=%d: clients sample no trust-score "
             "statistics (positive_ratio, top_p_mass, amplified_fraction); lower diagnostics.trust_every "
             "to get them", cfg.local_steps, cfg.diagnostics.trust_every)

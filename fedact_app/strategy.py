@@ -314,7 +314,6 @@ class AlgorithmStrategy(Strategy):
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
         arrays = array_record(self.state)
-        updated_rounds = 0
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)
@@ -329,7 +328,6 @@ class AlgorithmStrategy(Strategy):
             row.update(evaluate_fn(server_round, self.state) or {})
             row["seconds"] = time.perf_counter() - started
             on_round_end(row)
-            updated_rounds += new_arrays is not None
             self.empty_rounds = 0 if new_arrays is not None else self.empty_rounds + 1
             if after_round is not None:
                 after_round(server_round)
@@ -338,9 +336,10 @@ class AlgorithmStrategy(Strategy):
                     f"No usable client reply in {self.empty_rounds} consecutive rounds (up to round "
                     f"{server_round}); stopping (max_empty_rounds={self.max_empty_rounds}). The "
                     f"reasons are logged above as 'node ... failed' / 'rejected reply'.")
-        if updated_rounds == 0 and num_rounds >= first_round:
-            # fewer rounds than max_empty_rounds, none of them usable: not a completed run
+        if self.empty_rounds >= num_rounds:
+            # fewer rounds than max_empty_rounds and none of them usable (a resumed run counts the
+            # rounds before its checkpoint too): not a completed run
             raise RuntimeError(
-                f"No usable client reply in any of the rounds {first_round}..{num_rounds}: the model "
-                f"was never updated. The reasons are logged above as 'node ... failed' / 'rejected reply'.")
+                f"No usable client reply in any round (1..{num_rounds}): the model was never "
+                f"updated. The reasons are logged above as 'node ... failed' / 'rejected reply'.")
         return self.state

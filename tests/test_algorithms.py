@@ -124,6 +124,12 @@ SEED_TABLE = {
 }
 
 
+def test_methods_with_a_trust_score_to_sample():
+    """The clients' trust-score diagnostics exist for the adaptive methods only."""
+    assert {name for name, a in ALGORITHMS.items() if a.samples_trust_scores} == {
+        "fedact", "fedact_local", "fedadamw", "localadam", "localadamw", "fedlada"}
+
+
 def test_registry_has_the_ten_methods_of_the_seed():
     assert sorted(ALGORITHMS) == sorted(METHODS)
 

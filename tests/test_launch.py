@@ -281,11 +281,21 @@ def test_fedact_config_is_checked_before_anything_starts(tmp_path: Path, capsys)
     shutil.copytree(REPO_ROOT / "conf", app / "conf")
     config = app / "conf" / "config.yaml"
     config.write_text(config.read_text().replace("\nnum_clients: 10", "\nnum_clients: 7"))
+    (app / "fedact_app").mkdir()
+    (app / "fedact_app" / "config.py").write_text("")
     assert launch.supernodes_for(app, "", None) == 7
     assert launch.supernodes_for(tmp_path, "anything at all", None) == 2
+    other = tmp_path / "another-hydra-app"  # a conf/config.yaml of its own is not FedACT's
+    (other / "conf").mkdir(parents=True)
+    (other / "conf" / "config.yaml").write_text("lr: 0.1\n")
+    assert launch.supernodes_for(other, "lr=abc", None) == 2
     assert launch.supernodes_for(tmp_path, "", 5) == 5
     assert launch.main(["--app", str(REPO_ROOT), "--overrides", "algorithm.tau=0"]) == 2
     assert "config error: Invalid config value algorithm.tau=0.0" in capsys.readouterr().err
+    # overrides given as a --run-config key are what the run gets, so they are what is checked
+    assert launch.main(["--app", str(REPO_ROOT), "--run-config", 'overrides="num_clients=4"',
+                        "--num-supernodes", "3"]) == 2
+    assert "--num-supernodes 3 differs from num_clients=4" in capsys.readouterr().err
 
 
 def test_pid_alive() -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -623,6 +624,20 @@ def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
     assert len({seen[i] for i in range(1, 10)}) == 1 and seen[1] != seen[0]
     assert seen[10] != seen[0]  # the third run: a pool thread (maybe the one that ran the second)
     assert [list(r) for r in optim_module._balanced_runs([1, 1], 3)] == [[0], [1], []]
+    with pytest.raises(ValueError, match="2 sizes for 3 items"):
+        optim_module._host_map(square, [0, 1, 2], [1, 1])
+
+    finished = []
+
+    def fail_here_finish_there(x):  # item 0 runs on this thread and raises; item 1 takes a while
+        if x == 0:
+            raise KeyError("boom")
+        time.sleep(0.2)
+        finished.append(x)
+
+    with pytest.raises(KeyError):
+        optim_module._host_map(fail_here_finish_there, [0, 1], [1, 1])
+    assert finished == [1]  # the other thread's run had ended before the error came out
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])

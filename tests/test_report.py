@@ -40,14 +40,15 @@ def trust_value(metric: str, algorithm: str, alpha: float, seed: int, rnd: int) 
 
 
 def write_run(folder: Path, algorithm: str, alpha: float, seed: int, trust: bool = True,
-              finished: bool = True, rho: float = 0.5, local_steps: int = 50) -> Path:
+              finished: bool = True, rho: float = 0.5, local_steps: int = 50, num_rounds: int = 3,
+              extra: str = "") -> Path:
     """A run folder as fedact_app.results writes it (the config reduced to the keys read)."""
     run_dir = folder / f"20260101-000000_{algorithm}_cifar10_vit_tiny_dir{alpha:g}_s{seed}"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(
         f"dataset:\n  name: cifar10\nmodel:\n  name: vit_tiny\npartition:\n  name: dirichlet\n"
         f"  alpha: {alpha}\nalgorithm:\n  name: {algorithm}\n  lr: 0.0003\n  rho: {rho}\n"
-        f"num_rounds: 3\nlocal_steps: {local_steps}\nseed: {seed}\n")
+        f"num_rounds: {num_rounds}\nlocal_steps: {local_steps}\nseed: {seed}\n{extra}")
     rows = []
     for rnd, accuracy in enumerate(accuracies(algorithm, alpha, seed)):
         row = {"round": rnd, "test_loss": 2.0 - rnd / 10, "test_accuracy": accuracy}
@@ -146,6 +147,20 @@ def test_runs_that_differ_in_a_training_setting_are_rows_of_their_own(tmp_path):
     runs = report.load_runs([tmp_path], warn=warnings.append)
     assert sorted(r.method for r in runs) == ["FedACT (local_steps=5)", "FedACT (local_steps=50)"]
     assert warnings == []
+
+
+def test_a_resumed_run_and_an_older_folder_are_the_same_run_as_their_twin(tmp_path):
+    """Not told apart: a run resumed with a larger num_rounds (it continues the earlier one; the
+    newest folder is kept), and a folder from before precision/wire_dtype were written (it ran
+    with their defaults)."""
+    older = write_run(tmp_path / "a", "fedact", 0.6, 1, num_rounds=3)
+    resumed = write_run(tmp_path / "b", "fedact", 0.6, 1, num_rounds=5,
+                        extra="precision: fp32\nwire_dtype: float32\n")
+    resumed = resumed.rename(resumed.with_name(resumed.name.replace("20260101-000000", "20260102-000000")))
+    warnings = []
+    runs = report.load_runs([tmp_path], warn=warnings.append)
+    assert [(r.method, r.path) for r in runs] == [("FedACT", resumed)]
+    assert warnings == [f"{older}: same method, settings and seed as {resumed}: skipped"]
 
 
 def test_mean_std():

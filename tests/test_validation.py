@@ -244,3 +244,31 @@ def test_two_nodes_training_one_partition_are_warned_of(caplog):
         strategy.aggregate_train(4, [reply(15, good_content()), reply(16, good_content()),
                                      reply(17, with_partition(0)), reply(18, with_partition(2))])
     assert "all train partition-id" not in caplog.text
+
+
+def _rounds_without_replies(monkeypatch, strategy, **start_kwargs) -> list[dict]:
+    """Run ``strategy.start`` where no client ever replies (the Grid exchange stands in: nothing
+    comes back), returning the rows it recorded."""
+    import fedact_app.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "exchange", lambda grid, messages, timeout: [])
+    monkeypatch.setattr(strategy, "configure_train", lambda *args: [])
+    rows = []
+    strategy.start(None, dict(STATE), timeout=1.0, evaluate_fn=lambda r, state: None,
+                   on_round_end=rows.append, **start_kwargs)
+    return rows
+
+
+def test_a_run_without_any_usable_round_fails_also_below_max_empty_rounds(monkeypatch):
+    """2 rounds, max_empty_rounds 3, no reply in either: not a completed run."""
+    with pytest.raises(RuntimeError, match=r"No usable client reply in any round \(1..2\)"):
+        _rounds_without_replies(monkeypatch, fedact_strategy(), num_rounds=2)
+
+
+def test_a_resumed_run_whose_last_rounds_are_empty_completes_like_a_straight_one(monkeypatch):
+    """Resumed after round 8 of 10 (rounds 1..8 updated the model, empty_rounds restored as 0):
+    two empty rounds end the run as they would a straight run, not as 'never updated'."""
+    strategy = fedact_strategy()
+    strategy.empty_rounds = 0
+    rows = _rounds_without_replies(monkeypatch, strategy, num_rounds=10, first_round=9)
+    assert [r["round"] for r in rows] == [9, 10] and strategy.empty_rounds == 2
