@@ -276,7 +276,7 @@ class FedACTLocal(LocalRule):
         return FedACTAdamW([p for _, p in named_params], lr=c.lr, betas=tuple(c.betas), eps=c.eps,
                            weight_decay=c.weight_decay, rho=c.rho, tau=c.tau, alpha=c.alpha,
                            gamma=c.gamma, trust_scope=c.trust_scope, trust_signal=c.trust_signal,
-                           scale_matched=c.scale_matched, compile=c.compile)
+                           scale_matched=c.scale_matched, fused=c.fused, compile=c.compile)
 
     def begin_round(self, optimizer: FedACTAdamW, named_params: NamedParams, inputs: RoundInputs) -> None:
         optimizer.begin_round(v_bar=aligned(inputs.received, "v_bar", named_params),
@@ -453,7 +453,7 @@ class Algorithm:
 _COMMON = frozenset({"lr", "lr_min", "weight_decay", "server_lr", "weighting"})
 _ADAM = frozenset({"betas", "eps"})
 _TRUST = frozenset({"rho", "tau", "alpha", "gamma", "trust_scope", "trust_signal", "scale_matched",
-                    "compile"})
+                    "fused", "compile"})
 _FEDACT = _COMMON | _ADAM | _TRUST
 
 ALGORITHMS: dict[str, Algorithm] = {

@@ -51,7 +51,7 @@ METADATA_KEY = "fedact"
 COMPATIBLE_KEYS = ("algorithm", "model", "dataset", "partition", "seed", "num_clients", "local_steps",
                    "batch_size", "task", "language")
 NEWER_KEYS = ("task", "language")  # absent from older checkpoints (vision runs): taken as the current values
-SPEED_ONLY_KEYS = ("algorithm.compile",)  # how the step runs, not what it computes: free to change on resume
+SPEED_ONLY_KEYS = ("algorithm.compile", "algorithm.fused")  # how the step runs, not what it computes: free to change on resume
 
 
 # ---------------------------------------------------------------- atomic files

@@ -193,6 +193,7 @@ class AlgorithmConfig:
     server_eps: float = 1e-3  # FedAdam adaptivity tau (Reddi et al. 2021)
     weighting: str = "uniform"
     compile: bool = False  # FedACT family: torch.compile the optimizer's fused passes (optim.py)
+    fused: Optional[bool] = None  # FedACT family: torch's fused AdamW/SGD kernels; None: on for CPU (optim.py)
 
     def __post_init__(self) -> None:
         from fedact_app.algorithms import ALGORITHMS  # registry of method names

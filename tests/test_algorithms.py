@@ -159,6 +159,7 @@ def test_method_specific_defaults():
     ("algorithm=fedlada algorithm.trust_scope=tensor", "algorithm.trust_scope"),
     ("algorithm=fedact algorithm.server_eps=0.1", "algorithm.server_eps"),
     ("algorithm=scaffold algorithm.eps=1e-6", "algorithm.eps"),
+    ("algorithm=localadamw algorithm.fused=true", "algorithm.fused"),
 ])
 def test_a_key_the_method_does_not_read_is_rejected(override, key):
     with pytest.raises(ConfigError) as err:
@@ -184,3 +185,12 @@ def test_keys_a_method_reads_can_be_changed():
     assert algo.server_betas == [0.8, 0.99] and algo.lr == 0.05
     assert compose("algorithm=fedprox algorithm.mu=0.1").algorithm.mu == 0.1
     assert compose("algorithm=fedlada algorithm.rho=0.2").algorithm.rho == 0.2
+
+
+@pytest.mark.parametrize("name", ["fedact", "fedact_local", "fedadamw"])
+@pytest.mark.parametrize("fused", [None, False, True])
+def test_the_fedact_family_passes_its_speed_settings_to_the_optimizer(name, fused):
+    override = f"algorithm={name}" + ("" if fused is None else f" algorithm.fused={str(fused).lower()}")
+    cfg = compose(override + " algorithm.compile=true").algorithm
+    optimizer = ALGORITHMS[name].local(cfg).make_optimizer([("w", torch.zeros(3, requires_grad=True))])
+    assert optimizer.param_groups[0]["fused"] is fused and optimizer.param_groups[0]["compile"] is True

@@ -160,16 +160,21 @@ def run_against_reference(opt_kwargs, *, dtype=torch.float64, rounds_kwargs=None
 
 BASE = dict(lr=1e-2, weight_decay=0.1, rho=0.5, tau=0.5)
 
+# The implementations of m, v, u and the parameter update: a loop over tensors, torch._foreach_*,
+# and torch's fused AdamW / SGD kernels (the default for CPU parameters).
+PATHS = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+         "fused": dict(fused=True)}
+
 
 # ---------------------------------------------------------------------- equivalence with the reference
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 @pytest.mark.parametrize("trust_signal", ["corrected", "local", "none"])
-@pytest.mark.parametrize("foreach", [False, True])
-def test_matches_reference(trust_scope, trust_signal, foreach):
+@pytest.mark.parametrize("path", PATHS)
+def test_matches_reference(trust_scope, trust_signal, path):
     run_against_reference({**BASE, "trust_scope": trust_scope, "trust_signal": trust_signal,
-                           "foreach": foreach}, rounds_kwargs=dict(global_steps=[0, 7]))
+                           **PATHS[path]}, rounds_kwargs=dict(global_steps=[0, 7]))
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
@@ -198,8 +203,8 @@ def test_signal_none_is_fedadamw():
         torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_adamw_warm_start_special_case_is_torch_adamw(foreach):
+@pytest.mark.parametrize("path", PATHS)
+def test_adamw_warm_start_special_case_is_torch_adamw(path):
     """rho = 0, phi = 1, v_bar = 0, t = k: torch.optim.AdamW (an independent oracle), with no
     begin_round at all (a plain optimizer) and two groups with their own lr / weight decay."""
     p1, p2 = make_params(), make_params()
@@ -208,9 +213,9 @@ def test_adamw_warm_start_special_case_is_torch_adamw(foreach):
         return [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2, "weight_decay": 0.0}]
 
     ours = FedACTAdamW(groups(p1), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6, rho=0.0,
-                       trust_signal="none", foreach=foreach)
+                       trust_signal="none", **PATHS[path])
     adamw = torch.optim.AdamW(groups(p2), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6,
-                              foreach=foreach)
+                              foreach=path == "foreach")
     gen = torch.Generator().manual_seed(3)
     for _ in range(6):
         for a, b in zip(p1, p2):
@@ -278,14 +283,14 @@ def test_second_moments_are_the_live_v_aligned_with_params():
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("selector", ["numpy", "torch.topk"])
-def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, foreach, selector, monkeypatch):
+def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, path, selector, monkeypatch):
     """Gradients with 70 % exact zeros: s = 0 there, the threshold falls inside the zeros.
     On CPU the threshold comes from numpy; without numpy (and off CPU) from torch.topk."""
     if selector == "torch.topk":
         monkeypatch.setattr(optim_module, "np", None)
-    kw = dict(lr=1e-2, weight_decay=0.0, rho=0.5, tau=0.5, trust_scope=trust_scope, foreach=foreach)
+    kw = dict(lr=1e-2, weight_decay=0.0, rho=0.5, tau=0.5, trust_scope=trust_scope, **PATHS[path])
     params = make_params(shapes=[(9, 5), (11,), (4, 3)])  # d = 68, odd per-tensor sizes
     ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
     opt = FedACTAdamW(params, **kw)
@@ -358,14 +363,14 @@ def test_scale_matched(trust_scope):
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 @pytest.mark.parametrize("trust_signal", ["corrected", "local"])
-@pytest.mark.parametrize("foreach", [False, True])
-def test_param_groups_with_their_own_lr_weight_decay_betas_eps(trust_scope, trust_signal, foreach):
+@pytest.mark.parametrize("path", PATHS)
+def test_param_groups_with_their_own_lr_weight_decay_betas_eps(trust_scope, trust_signal, path):
     """Different betas give different bias corrections per group: s must still be comparable."""
     params = make_params()
     specs = [dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8),
              dict(lr=3e-2, weight_decay=0.0, betas=(0.5, 0.9), eps=1e-3)]
     opt = FedACTAdamW([{"params": params[:2], **specs[0]}, {"params": params[2:], **specs[1]}],
-                      lr=1.0, trust_scope=trust_scope, trust_signal=trust_signal, foreach=foreach)
+                      lr=1.0, trust_scope=trust_scope, trust_signal=trust_signal, **PATHS[path])
     ref = Reference(params, [specs[0], specs[0], specs[1]], trust_scope=trust_scope,
                     trust_signal=trust_signal)
     drive(opt, params, ref, make_rounds(params, global_steps=[0, 5]))
@@ -373,9 +378,9 @@ def test_param_groups_with_their_own_lr_weight_decay_betas_eps(trust_scope, trus
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-@pytest.mark.parametrize("foreach", [False, True])
-def test_param_without_grad_is_skipped_and_not_counted(trust_scope, foreach):
-    kw = {**BASE, "trust_scope": trust_scope, "foreach": foreach}
+@pytest.mark.parametrize("path", PATHS)
+def test_param_without_grad_is_skipped_and_not_counted(trust_scope, path):
+    kw = {**BASE, "trust_scope": trust_scope, **PATHS[path]}
     params = make_params()
     ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
     opt = FedACTAdamW(params, **kw)
@@ -404,11 +409,60 @@ def test_foreach_and_single_tensor_paths_agree(trust_scope, trust_signal):
     for foreach in (False, True):
         params = make_params(dtype=torch.float32)
         opt = FedACTAdamW(params, **BASE, trust_scope=trust_scope, trust_signal=trust_signal,
-                          foreach=foreach)
+                          foreach=foreach, fused=False)
         drive(opt, params, None, make_rounds(params, zero_frac=0.3))
         results.append((params, opt.second_moments()))
     for a, b in zip(*[p + v for p, v in results]):
         assert torch.equal(a, b)  # the same elementary ops in the same order
+
+
+def test_fused_kernels_are_the_default_for_cpu_parameters(monkeypatch):
+    """fused=None runs torch's fused AdamW and SGD kernels on CPU (counted through wrappers that
+    call the real kernels), once per run of parameters and step; fused=False never does."""
+    calls = {"_fused_adamw_": 0, "_fused_sgd_": 0}
+    for name in calls:
+        def counting(*args, _real=getattr(torch, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(torch, name, counting)
+    for fused, expected in ((None, 6), (False, 0)):
+        calls.update(dict.fromkeys(calls, 0))
+        run_against_reference({**BASE, "fused": fused})  # 2 rounds x 3 steps, one run
+        assert calls == {"_fused_adamw_": expected, "_fused_sgd_": expected}, fused
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_channels_last_and_non_contiguous_tensors_take_the_eager_operations(fused):
+    """torch's fused kernels walk every tensor of their lists in its own memory order, so a
+    channels_last parameter or a column-major gradient beside the flat (row-major) state would
+    mix up coordinates; such a run takes the eager operations and still follows the reference."""
+    kw = {**BASE, "fused": fused}
+    params = make_params(shapes=[(4, 3, 2, 2), (6, 5), (7,)])
+    params[0] = params[0].detach().to(memory_format=torch.channels_last).requires_grad_()
+    ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
+    opt = FedACTAdamW(params, **kw)
+    for v_bar, delta_g, gs, grads in make_rounds(params, global_steps=[0, 4]):
+        opt.begin_round(v_bar, delta_g, gs)
+        ref.begin_round(v_bar, delta_g, gs)
+        for g in grads:
+            params[0].grad = g[0].contiguous(memory_format=torch.channels_last)
+            params[1].grad = g[1].t().contiguous().t()  # the same values, column-major
+            params[2].grad = g[2].clone()
+            assert not params[1].grad.is_contiguous()
+            opt.step()
+            ref.step(g)
+    assert_matches(params, ref)
+    assert params[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_rho_one_without_delta_g_only_decays():
+    """rho = 1 in a round without Delta_G (a first round): u = 0 and x only decays. The update's
+    scale is then 0, where the fused SGD kernel (weight decay wd / scale) cannot serve."""
+    x0 = [p.detach() for p in make_params()]
+    _, params, _ = run_against_reference({**BASE, "rho": 1.0}, rounds_kwargs=dict(warm=False, n_rounds=1))
+    decay = (1 - BASE["lr"] * BASE["weight_decay"]) ** 3  # three steps
+    for p, x in zip(params, x0):
+        torch.testing.assert_close(p.detach(), decay * x, rtol=1e-13, atol=1e-13)
 
 
 def test_state_dict_round_trip_continues_identically():
@@ -465,6 +519,7 @@ def test_bfloat16_params_keep_bfloat16_state():
     (dict(gamma=-0.5), "gamma", "-0.5"),
     (dict(trust_scope="layer"), "trust_scope", "layer"),
     (dict(trust_signal="cautious"), "trust_signal", "cautious"),
+    (dict(fused="yes"), "fused", "'yes'"),
 ])
 def test_constructor_validation(kwargs, argument, value):
     with pytest.raises(ValueError, match=f"Invalid {argument}") as info:
@@ -730,11 +785,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope):
-    """The CUDA path (torch.topk of the smaller side, the tie-break on the device) against the
-    float64 reference loop on the CPU, with 30 % zero gradients (ties at the threshold); every
-    step runs under torch.cuda.set_sync_debug_mode("error"), which raises at a host sync."""
-    kw = {**BASE, "trust_scope": trust_scope}
+@pytest.mark.parametrize("fused", [None, True])
+def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope, fused):
+    """The CUDA path (torch.topk of the smaller side, the tie-break on the device; eager
+    operations by default, torch's fused kernels with fused=True) against the float64 reference
+    loop on the CPU, with 30 % zero gradients (ties at the threshold); every step runs under
+    torch.cuda.set_sync_debug_mode("error"), which raises at a host sync."""
+    kw = {**BASE, "trust_scope": trust_scope, "fused": fused}
     params = make_params()
     ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
     on_gpu = [p.detach().cuda().requires_grad_() for p in params]
