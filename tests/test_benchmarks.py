@@ -21,7 +21,7 @@ def run_script(name: str, *args: str, timeout: float) -> str:
 def test_bench_optimizer_quick_prints_its_table():
     out = run_script("bench_optimizer.py", "--quick", "--device", "cpu", timeout=180)
     assert "cnn_small / digits: 19,466 parameters in 6 tensors; cpu" in out
-    for name in ("AdamW foreach", "FedACT global", "FedACT tensor", "FedAdamW"):
+    for name in ("AdamW foreach", "FedACT global", "FedACT tensor", "FedAdamW", "FedACT unfused"):
         assert re.search(rf"^{name} +\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", out, re.M), (name, out)
     assert re.search(r"^train step .* ratio FedACT global \d+\.\d+$", out, re.M), out
 

@@ -260,7 +260,8 @@ def deployment(tmp_path_factory):
         status = subprocess.run([sys.executable, str(DEPLOY / "local_cluster.py"), "status", "--dir",
                                  cluster.dir, "--json"], capture_output=True, text=True, timeout=60,
                                 check=False, env={**os.environ, **env})
-        dep.status = {**json.loads(status.stdout or "{}"), "rc": status.returncode}
+        dep.status = {**json.loads(status.stdout or "{}"), "rc": status.returncode,
+                      "stderr": status.stderr[-3000:]}  # shown when the status check fails
         print(f"\ndeployment phases (s since start): { {k: round(v, 1) for k, v in dep.seconds.items()} }")
         yield dep
     finally:
