@@ -145,20 +145,23 @@ class FedACTAdamW(LazyDynamoOptimizer):
             or ``"none"`` (phi = 1, FedAdamW).
         scale_matched: divide phi by its mean (default off, as in the seed).
         foreach: the per-tensor steps (m, v, s and the parameter update, which need the
-            gradient or the parameter tensor by tensor) as one ``torch._foreach_*`` call each
-            instead of a loop; ``None`` (default): on, which measured as fast or faster on CPU
-            too. Both compute the same thing.
+            gradient or the parameter tensor by tensor; with ``fused`` only s) as one
+            ``torch._foreach_*`` call each instead of a loop; ``None`` (default): on, which
+            measured as fast or faster on CPU too. Both compute the same thing.
         fused: m, v and u as one call of PyTorch's fused AdamW kernel (``torch._fused_adamw_``,
             which computes ``u <- u - (lr'/(1-beta1^t)) m / (sqrt(v/(1-beta2^t)) + eps)``; with
             ``u`` first set to Delta_G and ``lr'`` chosen negative that is FedACT's u, Eq.
             global_aware_direction) and the parameter update as one call of its fused SGD kernel
             (``torch._fused_sgd_``: ``x <- x - lr' (u + wd' x)``, Eq. fedact_update with
             ``lr' = lr * scale`` and ``wd' = wd / scale``): two passes over d instead of six,
-            and one instead of two. ``None`` (default): on for CPU parameters, where it was measured (the step
-            about 20 % faster); off on CUDA until measured there; ``True`` also on CUDA. Batches
-            the kernels do not take (other devices or dtypes, a non-contiguous parameter or
-            gradient, e.g. channels_last) run the eager operations. Equal to them up to
-            rounding.
+            and one instead of two. ``None`` (default): on for CPU parameters, where it was
+            measured (the step about 20 % faster); off on CUDA until measured there; ``True``
+            also on CUDA. A run of parameters the kernels do not take (other devices or dtypes,
+            a non-contiguous parameter or gradient, e.g. channels_last) runs the eager
+            operations, and so does the update of bfloat16/float16 parameters (torch 2.13's CPU
+            fused SGD kernel skips their store). Equal to the eager operations up to rounding
+            (and where float16's ``eps`` underflows, the kernel's float arithmetic gives 0 where
+            the eager ``0/0`` gives NaN, as in torch's own AdamW).
         compile: run m, v, u and s as one ``torch.compile``-d pass over the flat buffers, and
             (one global threshold, no tie) the comparison with phi as another (float32/float64
             parameters; on CPU the step 3-8 % faster than with ``fused``, after a compilation
@@ -223,7 +226,7 @@ class FedACTAdamW(LazyDynamoOptimizer):
         """Add a param group after validating its settings. ``alpha``/``gamma`` left at ``None``
         resolve here, once, from the group's ``tau`` (to ``1/tau`` and ``tau``)."""
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        if merged.get("fused") not in (None, True, False):
+        if not (merged.get("fused") is None or isinstance(merged["fused"], bool)):
             raise ValueError(f"Invalid fused: {merged['fused']!r}; expected None (on for CPU parameters), "
                              f"True or False")
         param_group["alpha"], param_group["gamma"] = _validate_hyperparameters(
@@ -562,6 +565,9 @@ def _select_on_host(device: torch.device) -> bool:
 
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# torch 2.13's CPU fused SGD kernel does not store bfloat16/float16 parameters from its vectorized
+# loop (only the tail of each tensor moves; pytorch/pytorch#191763): those updates stay eager.
+_FUSED_UPDATE_DTYPES = (torch.float32, torch.float64)
 
 
 def _uses_fused_kernels(run: _Run, grads: list[Tensor], fused: Optional[bool]) -> bool:
@@ -848,10 +854,10 @@ def _gathers_scores(device: torch.device) -> bool:
 def _update(b: _ParamBatch, scale: float) -> None:
     """x <- (1 - lr*wd) x - (lr*scale) direction, where ``scale * direction`` is phi * u.
 
-    With ``fused`` (and ``scale > 0``) one call of torch's fused SGD kernel without momentum,
-    ``x <- x - lr' (direction + wd' x)``, with ``lr' = lr * scale`` and ``wd' = wd / scale``;
-    otherwise a decay and an add."""
-    if b.fused and scale > 0.0:
+    With ``fused`` (and ``scale > 0``, float32/float64) one call of torch's fused SGD kernel
+    without momentum, ``x <- x - lr' (direction + wd' x)``, with ``lr' = lr * scale`` and
+    ``wd' = wd / scale``; otherwise a decay and an add."""
+    if b.fused and scale > 0.0 and b.direction.dtype in _FUSED_UPDATE_DTYPES:
         torch._fused_sgd_(b.params, b.direction_views, [], weight_decay=b.weight_decay / scale, momentum=0.0,
                           lr=b.lr * scale, dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
         return
