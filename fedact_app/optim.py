@@ -165,8 +165,8 @@ class FedACTAdamW(LazyDynamoOptimizer):
         compile: run m, v, u and s as one ``torch.compile``-d pass over the flat buffers, and
             (one global threshold, no tie) the comparison with phi as another (float32/float64
             parameters; on CPU the step 3-8 % faster than with ``fused``, after a compilation
-            of some seconds per process). When compilation fails (no C++ compiler, an unsupported platform) it
-            warns once and uses the eager operations.
+            of some seconds per process). When compilation fails (no C++ compiler, an
+            unsupported platform) it warns once and uses the eager operations.
 
     State per parameter: ``exp_avg`` (m), ``exp_avg_sq`` (v) and, while the round has a
     correction with ``rho > 0``, ``delta_g``. The local step ``k`` and the global step at the
@@ -461,9 +461,8 @@ class _Run:
 
     ``exp_avg``, ``exp_avg_sq`` and ``delta_g`` are flat buffers of their state (the parameters'
     state tensors are the ``*_views``); ``direction`` is the flat scratch for u; ``kernel_step``
-    holds the global step t for the fused AdamW kernel. ``scores`` and
-    its views are this run's slice of the device's score buffer (``None`` for a group without
-    trust signal).
+    holds the global step t for the fused AdamW kernel. ``scores`` and its views are this run's
+    slice of the device's score buffer (``None`` for a group without trust signal).
     """
 
     def __init__(self, group: int, params: list[Tensor], scored: bool, state: dict) -> None:
@@ -613,7 +612,7 @@ class _ParamBatch:
     exp_avg_sq: Tensor  # flat v
     exp_avg_sq_views: list[Tensor]
     delta_g: Optional[Tensor]  # flat Delta_G; None when the round has none or rho == 0
-    direction: Tensor  # flat scratch: the denominator, then u / u_scale
+    direction: Tensor  # flat scratch: the denominator (eager) or Delta_G (fused), then u / u_scale
     direction_views: list[Tensor]
     scores: Optional[Tensor]  # flat float32/64 scratch: s / s_scale, then phi; None for signal "none"
     score_views: list[Optional[Tensor]]
