@@ -13,6 +13,7 @@ from fedact_app.algorithms import TensorDict
 from fedact_app.checkpoint import persist_client_state, restored_client_state
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import Config, compose
+from fedact_app.sampling import CLIENT_NAME, IDENTITY_RECORD, PARTITION_ID
 from fedact_app.wire import array_record
 
 app = ClientApp()
@@ -147,6 +148,26 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
                                      "lr-sum": update.lr_sum, "train-loss": result.loss,
                                      "train-seconds": train_seconds, **partition, **result.diagnostics})
     return reply
+
+
+def client_identity(node_config) -> dict:
+    """Who this client is, for the server's sampling (fedact_app.sampling): its ``partition-id``,
+    or for a node with its own ``data-path`` its ``client-name`` (node config; default: the
+    data-path, so give each such node its own ``client-name`` where paths repeat)."""
+    if DATA_PATH_KEY in node_config:
+        return {CLIENT_NAME: str(node_config.get(CLIENT_NAME, node_config[DATA_PATH_KEY]))}
+    if PARTITION_ID not in node_config:
+        raise ValueError("This SuperNode has no partition: start it with --node-config "
+                         f"\"partition-id=<i> num-partitions=<n>\" or \"{DATA_PATH_KEY}='/abs/path'\". "
+                         f"Node config seen: {dict(node_config)}")
+    return {PARTITION_ID: int(node_config[PARTITION_ID])}
+
+
+@app.query()
+def identify(msg: Message, context: Context) -> Message:
+    """Answer the server's identity query from the node config alone (no data, no model)."""
+    identity = ConfigRecord(client_identity(context.node_config))
+    return Message(content=RecordDict({IDENTITY_RECORD: identity}), reply_to=msg)
 
 
 @app.train()

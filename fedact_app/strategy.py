@@ -17,19 +17,28 @@ and expects back::
                             trust-score statistics the client sampled
                             (fedact_app.diagnostics)
 
+Before a node is first sampled the strategy asks it who it is (a QUERY message; the reply's
+``identity`` ConfigRecord, fedact_app.sampling): clients are sampled by those identities, never by
+Flower's node ids, so a seed fixes the client sequence and two methods at one seed see the same
+clients in the same rounds.
+
 The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
-no method state of its own. Replies that are errors or do not match the model are rejected
-(logged with node id and reason, counted in the round's metrics) and never reach the rule. Each
-round's metrics carry the seed's diagnostics over the accepted replies: direction consistency,
-||Delta_G|| and the clients' trust-score statistics (fedact_app.diagnostics).
+no method state of its own. A reply is believed only where it cannot lie: the round's K and
+learning rate are the server's own (a reply naming others is rejected), every other number is
+checked (finite, in range, consistent with the model), and second moments far above the
+round's others are rejected (docs/ROBUSTNESS.md has the table). Rejected replies are logged
+with node id and reason, counted in the round's metrics and never reach the rule; a round with
+fewer than ``min_train_nodes`` accepted replies, or whose aggregate is not finite, changes
+nothing. Each round's metrics carry the seed's diagnostics over the accepted replies: direction
+consistency, ||Delta_G|| and the clients' trust-score statistics (fedact_app.diagnostics).
 """
 
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from logging import INFO, WARNING
 
 import torch
@@ -39,7 +48,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
-from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
+from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
+                                 sample_clients, sample_count, unidentified_key)
+from fedact_app.diagnostics import CLIENT_METRICS, direction_consistency, global_norm, mean_client_statistics
 from fedact_app.wire import array_record, to_wire
 
 
@@ -82,18 +93,58 @@ def record_bytes(content: RecordDict) -> int:
     return sum(record.count_bytes() for record in content.array_records.values())
 
 
+@dataclass(frozen=True)
+class RoundTerms:
+    """What the server itself set for a round, which a reply must agree with."""
+
+    local_steps: int  # K
+    lr: float  # the round's learning rate eta_r (constant within the round)
+    max_examples: int | None = None  # K x batch_size: the most examples K steps can see
+
+    @property
+    def lr_sum(self) -> float:
+        """sum_k eta_{i,k} = K eta_r, as the client computes it."""
+        return self.lr * self.local_steps
+
+
 def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[str],
                   trainable: Sequence[str], nonnegative: Sequence[str] = (),
-                  max_update_norm: float | None = None) -> ClientUpdate:
+                  max_update_norm: float | None = None, terms: RoundTerms | None = None) -> ClientUpdate:
     """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state.
 
     ``nonnegative``: reply arrays that must hold no negative value (second moments).
     ``max_update_norm``: when set, the delta's global L2 norm over the trainable parameters,
     sqrt(sum_p ||Delta_p||^2), must not exceed it (the reply is rejected, not clipped).
+    ``terms``: the round's own K, learning rate and example bound. With them, ``num-steps`` must
+    be K, ``lr-sum`` K eta_r (to 1e-9 relative) and ``num-examples`` at most K x batch_size, and
+    the update carries the server's K eta_r, not the reply's: Delta_G divides by it.
+    Every metric must be a finite number (``train-loss`` included); the client statistics lie
+    in [0, 1] and ``train-seconds`` is >= 0.
     """
     for key in ("delta", "metrics", *reply_keys):
         if key not in content:
             raise ReplyError(f"missing record {key!r}")
+    metrics = content["metrics"]
+    num_steps = _count(metrics, "num-steps")
+    num_examples = _count(metrics, "num-examples")
+    lr_sum = _number(metrics, "lr-sum")
+    if not lr_sum > 0:
+        raise ReplyError(f"metric 'lr-sum' must be > 0, got {lr_sum!r}")
+    _number(metrics, "train-loss")
+    if "train-seconds" in metrics and _number(metrics, "train-seconds") < 0:
+        raise ReplyError(f"metric 'train-seconds' must be >= 0, got {metrics['train-seconds']!r}")
+    for key in CLIENT_METRICS:
+        if key in metrics and not 0 <= _number(metrics, key) <= 1:
+            raise ReplyError(f"metric {key!r} must lie in [0, 1], got {metrics[key]!r}")
+    if terms is not None:
+        if num_steps != terms.local_steps:
+            raise ReplyError(f"metric 'num-steps' {num_steps} differs from the round's local_steps={terms.local_steps}")
+        if not math.isclose(lr_sum, terms.lr_sum, rel_tol=1e-9):
+            raise ReplyError(f"metric 'lr-sum' {lr_sum!r} differs from the round's K x lr = {terms.lr_sum!r}")
+        if terms.max_examples is not None and num_examples > terms.max_examples:
+            raise ReplyError(f"metric 'num-examples' {num_examples} exceeds local_steps x batch_size = "
+                             f"{terms.max_examples}")
+        lr_sum = terms.lr_sum
     delta = content["delta"].to_torch_state_dict()
     _check_arrays("delta", delta, {name: state[name] for name in state})
     arrays = {}
@@ -107,13 +158,24 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
         norm = global_norm({name: delta[name] for name in trainable})
         if norm > max_update_norm:
             raise ReplyError(f"update norm {norm:.4g} exceeds max_update_norm={max_update_norm:g}")
-    metrics = content["metrics"]
-    for key in ("num-examples", "num-steps", "lr-sum"):
-        if key not in metrics or not metrics[key] > 0:
-            raise ReplyError(f"metric {key!r} missing or not positive: {metrics.get(key)!r}")
-    return ClientUpdate(delta=delta, num_steps=int(metrics["num-steps"]),
-                        lr_sum=float(metrics["lr-sum"]), num_examples=int(metrics["num-examples"]),
+    return ClientUpdate(delta=delta, num_steps=num_steps, lr_sum=lr_sum, num_examples=num_examples,
                         arrays=arrays)
+
+
+def _number(metrics: MetricRecord, key: str) -> float:
+    """``metrics[key]`` as a finite float; ReplyError when it is missing, not a number or not finite."""
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ReplyError(f"metric {key!r} missing or not a finite number: {value!r}")
+    return float(value)
+
+
+def _count(metrics: MetricRecord, key: str, minimum: int = 1) -> int:
+    """``metrics[key]`` as an integer >= ``minimum`` (a float with an integer value is accepted)."""
+    value = _number(metrics, key)
+    if value < minimum or value != int(value):
+        raise ReplyError(f"metric {key!r} must be an integer >= {minimum}, got {metrics[key]!r}")
+    return int(value)
 
 
 def _check_arrays(key: str, arrays: TensorDict, expected: TensorDict) -> None:
@@ -152,13 +214,20 @@ def warn_shared_partitions(server_round: int, order: Sequence[tuple[float, int]]
 
 
 class AlgorithmStrategy(Strategy):
-    """One strategy for every method: sampling, messaging and reply checks around a ``ServerRule``."""
+    """One strategy for every method: sampling, messaging and reply checks around a ``ServerRule``.
+
+    ``batch_size`` bounds a reply's ``num-examples`` (K x batch_size); ``max_moment_ratio`` (0:
+    off) rejects a reply whose second moment's norm exceeds that many times the lower median of
+    the round's accepted ones (and of the current v_bar): an honest client's v is a running mean
+    of squared gradients started from v_bar, within a few orders of magnitude of the others'.
+    """
 
     def __init__(self, rule: ServerRule, *, trainable: Sequence[str],
                  local_steps: int, lr_schedule: Callable[[int], float], fraction_train: float,
                  min_train_nodes: int, fraction_evaluate: float = 0.0, seed: int = 42,
                  expected_nodes: int = 0, max_empty_rounds: int = 3,
                  node_wait_timeout: float = 300.0, max_update_norm: float | None = None,
+                 batch_size: int | None = None, max_moment_ratio: float = 1e6,
                  train_config: dict | None = None, wire_dtype: str = "float32") -> None:
         self.rule = rule
         self.trainable = list(trainable)
@@ -172,18 +241,23 @@ class AlgorithmStrategy(Strategy):
         self.max_empty_rounds = max_empty_rounds
         self.wire_dtype = wire_dtype
         self.max_update_norm = max_update_norm
+        self.batch_size = batch_size
+        self.max_moment_ratio = max_moment_ratio
         self.train_config = dict(train_config or {})  # extra round-config entries for every client
         self.empty_rounds = 0  # consecutive rounds without a usable reply
         self.messages_sent = 0
+        self.sampled_clients: list[int | str] = []  # the last training sample, by identity
         self._first_sample = True
-        self.rng = random.Random(seed)
+        self.seed = seed
+        self.client_keys: dict[int, ClientKey] = {}  # node id -> identity (fedact_app.sampling)
+        self.reply_timeout: float | None = None  # set by ``start``: the identity queries' wait too
         self.state: TensorDict = {}
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ sampling
 
-    def sample_nodes(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
-        """Sample max(fraction * connected, minimum) of the connected nodes.
+    def connected_nodes(self, grid: Grid, minimum: int) -> list[int]:
+        """The connected nodes, once at least ``minimum`` are.
 
         Nodes register with the SuperLink while the ServerApp starts, so the first call waits up
         to ``ALL_NODES_WAIT`` seconds for all ``expected_nodes``; every call waits up to
@@ -202,30 +276,84 @@ class AlgorithmStrategy(Strategy):
                                f"at least {minimum} are needed (min_train_nodes)")
         if len(nodes) < wanted:
             log(WARNING, "%d of the %d expected nodes connected; sampling from those", len(nodes), wanted)
-        count = min(len(nodes), max(int(len(nodes) * fraction), minimum))
-        return self.rng.sample(nodes, count)
+        return nodes
+
+    def identify(self, grid: Grid, nodes: Sequence[int]) -> None:
+        """Ask each node not yet known who it is (one QUERY message each, answered by the ClientApp
+        from its node config) and remember the answer. A node whose query fails gets a key after
+        every identified client (fedact_app.sampling); one that does not answer within the reply
+        timeout is asked again next time. Two nodes with one identity are warned of."""
+        unknown = [node for node in nodes if node not in self.client_keys]
+        if not unknown:
+            return
+        queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node)
+                   for node in unknown]
+        for reply in exchange(grid, queries, self.reply_timeout):
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ValueError(reply.error.reason)
+                if IDENTITY_RECORD not in reply.content:
+                    raise ValueError(f"no {IDENTITY_RECORD!r} record")
+                self.client_keys[node] = client_key(reply.content[IDENTITY_RECORD])
+            except ValueError as err:
+                log(WARNING, "node %d could not say which client it is (%s); it is sampled after "
+                    "the identified clients", node, err)
+                self.client_keys[node] = unidentified_key(node)
+        holders: dict[ClientKey, list[int]] = {}
+        for node, key in self.client_keys.items():
+            holders.setdefault(key, []).append(node)
+        for key, shared in sorted(holders.items()):
+            if len(shared) > 1 and any(node in unknown for node in shared):
+                log(WARNING, "nodes %s are all %s: each SuperNode needs its own partition-id (or "
+                    "client-name); the run's client sequence then depends on Flower's node ids",
+                    ", ".join(map(str, sorted(shared))), describe(key))
+
+    def sample_nodes(self, grid: Grid, fraction: float, minimum: int, server_round: int,
+                     purpose: str) -> list[int]:
+        """max(fraction * connected, minimum) of the connected and identified nodes, drawn by
+        their identities (fedact_app.sampling.sample_clients), in identity order."""
+        nodes = self.connected_nodes(grid, minimum)
+        self.identify(grid, nodes)
+        known = [(self.client_keys[node], node) for node in nodes if node in self.client_keys]
+        if len(known) < len(nodes):
+            log(WARNING, "round %d: %d of %d nodes did not say which client they are in time; "
+                "sampling from the others", server_round, len(nodes) - len(known), len(nodes))
+        count = sample_count(len(known), fraction, minimum)
+        chosen = sample_clients(known, count, seed=self.seed, server_round=server_round, purpose=purpose)
+        return [node for _, node in sorted(chosen)]
+
+    def round_terms(self, server_round: int) -> RoundTerms:
+        max_examples = None if self.batch_size is None else self.local_steps * self.batch_size
+        return RoundTerms(self.local_steps, self.lr_schedule(server_round), max_examples)
 
     # ------------------------------------------------------------------ training
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        terms = self.round_terms(server_round)
         config = ConfigRecord({**config, **self.train_config, "server-round": server_round,
-                               "local-steps": self.local_steps,
-                               "lr": self.lr_schedule(server_round),
+                               "local-steps": terms.local_steps, "lr": terms.lr,
                                "global-step": (server_round - 1) * self.local_steps})
         content = RecordDict({"model": arrays, "config": config})
         for key, tensors in self.rule.broadcast().items():
             content[key] = array_record(to_wire(tensors, self.wire_dtype))
-        nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes)
+        nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes, server_round, "train")
         log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
+        self.sampled_clients = [column_value(self.client_key_of(node)) for node in nodes]
         self.bytes_sent = record_bytes(content) * len(nodes)
         self.messages_sent = len(nodes)
         return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
                 for node in nodes]
 
+    def client_key_of(self, node: int) -> ClientKey:
+        """The node's identity; a node never identified (a test's hand-made reply) sorts last."""
+        return self.client_keys.get(node, unidentified_key(node))
+
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        updates, client_metrics, order, bytes_received, rejected, failed, received = [], [], [], 0, 0, 0, 0
+        terms = self.round_terms(server_round)
+        accepted, bytes_received, rejected, failed, received = [], 0, 0, 0, 0
         for msg in replies:
             received += 1
             node = msg.metadata.src_node_id
@@ -236,33 +364,47 @@ class AlgorithmStrategy(Strategy):
                 continue
             bytes_received += record_bytes(msg.content)
             try:
-                updates.append(decode_update(msg.content, self.state, self.rule.reply_keys, self.trainable,
-                                             self.rule.nonnegative_keys, self.max_update_norm))
+                update = decode_update(msg.content, self.state, self.rule.reply_keys, self.trainable,
+                                       self.rule.nonnegative_keys, self.max_update_norm, terms)
+                self.check_partition(node, msg.content["metrics"])
             except ReplyError as err:
                 rejected += 1
                 log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, err)
                 continue
-            client_metrics.append(dict(msg.content["metrics"]))
-            order.append((float(client_metrics[-1].get("partition-id", -1)), node))
+            accepted.append((self.client_key_of(node), node, update, dict(msg.content["metrics"])))
         missing = max(self.messages_sent - received, 0)
         if missing:
             log(WARNING, "round %d: %d of %d sampled nodes sent no reply (timeout or gone)",
                 server_round, missing, self.messages_sent)
-        # rejected: replies not used (failed = Flower error replies, e.g. the ClientApp raised;
-        # the rest failed decode_update); missing: messages without any reply.
-        metrics = {"clients": len(updates), "rejected": rejected, "failed": failed, "missing": missing,
-                   "bytes_sent": self.bytes_sent, "bytes_received": bytes_received}
-        if not updates:
-            log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
-            return None, MetricRecord(metrics)
         # Sums of floats depend on their order and replies arrive in any order: aggregate in a
-        # fixed one (the client's partition id, then node id), so a run repeats bit for bit.
-        ranked = sorted(range(len(updates)), key=order.__getitem__)
-        warn_shared_partitions(server_round, order)
-        updates, client_metrics = [updates[i] for i in ranked], [client_metrics[i] for i in ranked]
-        self.state = self.rule.aggregate(self.state, updates)
+        # fixed one (the clients' identities, then node id), so a run repeats bit for bit.
+        accepted.sort(key=lambda item: item[:2])
+        outliers = dict(self.moment_outliers([update for _, _, update, _ in accepted]))
+        for index, reason in sorted(outliers.items()):
+            log(WARNING, "round %d: rejected reply of node %d: %s", server_round, accepted[index][1], reason)
+        rejected += len(outliers)
+        accepted = [item for index, item in enumerate(accepted) if index not in outliers]
+        # rejected: replies not used (failed = Flower error replies, e.g. the ClientApp raised;
+        # the rest failed the checks); missing: messages without any reply.
+        metrics = {"clients": len(accepted), "rejected": rejected, "failed": failed, "missing": missing,
+                   "bytes_sent": self.bytes_sent, "bytes_received": bytes_received}
+        if len(accepted) < max(self.min_train_nodes, 1):
+            if accepted:
+                log(WARNING, "round %d: %d usable replies, fewer than min_train_nodes=%d; the global "
+                    "model is unchanged", server_round, len(accepted), self.min_train_nodes)
+            else:
+                log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
+            metrics.update(clients=0, rejected=rejected + len(accepted))
+            return None, MetricRecord(metrics)
+        warn_shared_partitions(server_round, [(float(m.get("partition-id", -1)), node)
+                                              for _, node, _, m in accepted])
+        updates = [update for _, _, update, _ in accepted]
+        client_metrics = [m for _, _, _, m in accepted]
+        if not self.aggregate_finite(server_round, updates):
+            metrics.update(clients=0, rejected=rejected + len(accepted))
+            return None, MetricRecord(metrics)
         total = sum(u.num_examples for u in updates)
-        metrics["train_loss"] = sum(float(m.get("train-loss", math.nan)) * u.num_examples
+        metrics["train_loss"] = sum(float(m["train-loss"]) * u.num_examples
                                     for m, u in zip(client_metrics, updates)) / total
         if seconds := [float(m["train-seconds"]) for m in client_metrics if "train-seconds" in m]:
             metrics["client_train_seconds"] = sum(seconds)  # local work of the round's clients, each by its clock
@@ -273,27 +415,82 @@ class AlgorithmStrategy(Strategy):
         metrics.update(mean_client_statistics(client_metrics))
         return array_record(self.state), MetricRecord(metrics)
 
+    def check_partition(self, node: int, metrics: MetricRecord) -> None:
+        """A reply's ``partition-id`` (when it sends one) must be the one its node identified as."""
+        if "partition-id" not in metrics or node not in self.client_keys:
+            return
+        kind, partition, _ = self.client_keys[node]
+        if kind == 0 and metrics["partition-id"] != partition:
+            raise ReplyError(f"metric 'partition-id' {metrics['partition-id']!r} differs from the "
+                             f"partition-id={partition} this node identified as")
+
+    def moment_outliers(self, updates: Sequence[ClientUpdate]) -> list[tuple[int, str]]:
+        """(index, reason) of each update whose second moment (``ServerRule.nonnegative_keys``)
+        has a norm above ``max_moment_ratio`` times the lower median of the updates' norms and,
+        once there is one, the current broadcast's (v_bar)."""
+        if not self.max_moment_ratio or not updates:
+            return []
+        outliers = []
+        broadcast = self.rule.broadcast()
+        for key in self.rule.nonnegative_keys:
+            norms = [global_norm(update.arrays[key]) for update in updates]
+            reference = norms + ([global_norm(broadcast[f"{key}_bar"])] if f"{key}_bar" in broadcast else [])
+            median = sorted(reference)[(len(reference) - 1) // 2]
+            outliers += [(i, f"{key!r} norm {norm:.4g} exceeds max_moment_ratio={self.max_moment_ratio:g} x "
+                             f"the round's median {median:.4g}")
+                         for i, norm in enumerate(norms) if norm > self.max_moment_ratio * median]
+        return outliers
+
+    def aggregate_finite(self, server_round: int, updates: Sequence[ClientUpdate]) -> bool:
+        """Aggregate ``updates`` into ``self.state`` and the rule's state, unless the result holds
+        a non-finite value (finite replies can still overflow): then both stay as they were."""
+        kept = self.rule.state_dict()
+        new_state = self.rule.aggregate(self.state, updates)
+        bad = [f"model[{name!r}]" for name, t in new_state.items()
+               if t.is_floating_point() and not all_finite(t)]
+        bad += [f"{key}[{name!r}]" for key, arrays in self.rule.state_dict().items()
+                for name, t in arrays.items() if not all_finite(t)]
+        if bad:
+            log(WARNING, "round %d: the aggregate of %d replies is not finite (%s); the global model "
+                "and the server state are unchanged", server_round, len(updates), ", ".join(bad[:3]))
+            self.rule.load_state_dict(kept)
+            return False
+        self.state = new_state
+        return True
+
     # ------------------------------------------------------------------ federated evaluation
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         if self.fraction_evaluate == 0.0:
             return []
-        nodes = self.sample_nodes(grid, self.fraction_evaluate, 1)
+        nodes = self.sample_nodes(grid, self.fraction_evaluate, 1, server_round, "evaluate")
         content = RecordDict({"model": arrays, "config": ConfigRecord({**config, "server-round": server_round})})
         return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
                 for node in nodes]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        rows = [msg.content["metrics"] for msg in replies
-                if not msg.has_error() and "metrics" in msg.content]
-        total = sum(int(m["num-examples"]) for m in rows)
+        """The example-weighted mean of each metric over the evaluation replies whose
+        ``num-examples`` is a positive integer and whose metrics are all finite numbers; the
+        others are logged and left out."""
+        rows = []
+        for msg in sorted(replies, key=lambda m: (self.client_key_of(m.metadata.src_node_id),
+                                                  m.metadata.src_node_id)):
+            if msg.has_error() or "metrics" not in msg.content:
+                continue
+            metrics = msg.content["metrics"]
+            try:
+                rows.append((_count(metrics, "num-examples", minimum=0),
+                             {key: _number(metrics, key) for key in metrics if key != "num-examples"}))
+            except ReplyError as err:
+                log(WARNING, "round %d: evaluation reply of node %d left out: %s", server_round,
+                    msg.metadata.src_node_id, err)
+        total = sum(count for count, _ in rows)
         if total == 0:
             return None
-        keys = [key for key in rows[0] if key != "num-examples"]  # one task: the same metrics everywhere
+        keys = [key for key in rows[0][1] if all(key in values for _, values in rows)]
         return MetricRecord({f"client_{key.replace('-', '_')}":
-                             sum(float(m[key]) * int(m["num-examples"]) for m in rows) / total
-                             for key in keys})
+                             sum(values[key] * count for count, values in rows) / total for key in keys})
 
     def summary(self) -> None:
         log(INFO, "AlgorithmStrategy(%s): fraction_train=%.2f min_train_nodes=%d K=%d",
@@ -307,9 +504,10 @@ class AlgorithmStrategy(Strategy):
               after_round: Callable[[int], None] | None = None) -> TensorDict:
         """Run rounds ``first_round..num_rounds``; ``evaluate_fn(round, state)`` evaluates the global
         model (round 0 = before training, skipped when resuming at ``first_round > 1`` from a
-        restored state, rule, ``rng`` and ``empty_rounds``), ``on_round_end(row)`` receives each
+        restored state, rule and ``empty_rounds``), ``on_round_end(row)`` receives each
         round's metrics and ``after_round(round)`` runs after it (checkpoints)."""
         self.summary()
+        self.reply_timeout = timeout
         self.state = dict(initial_state)
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
@@ -320,7 +518,8 @@ class AlgorithmStrategy(Strategy):
             replies = exchange(grid, self.configure_train(server_round, arrays, ConfigRecord(), grid), timeout)
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             arrays = new_arrays or arrays
-            row = {"round": server_round, "lr": lr, **dict(train_metrics or {})}
+            row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
+                   **dict(train_metrics or {})}
             client_eval = self.aggregate_evaluate(
                 server_round,
                 exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))
