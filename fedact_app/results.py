@@ -121,6 +121,13 @@ def reply_totals(rows: Sequence[dict]) -> dict[str, int]:
             "rounds_without_update": sum(1 for r in rounds if int(r["clients"]) == 0)}
 
 
+def json_line(row: dict) -> str:
+    """``row`` as strict JSON: a non-finite float (a diverged loss) is written as null, since
+    JSON has no NaN or Infinity and Python's bare ``NaN`` breaks other readers."""
+    return json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
+                       for key, value in row.items()}, allow_nan=False)
+
+
 class RunRecorder:
     """Writes one run's folder; ``record_round`` is called once per round by the strategy loop."""
 
@@ -142,7 +149,7 @@ class RunRecorder:
         row = {"round": row["round"], **{k: v for k, v in row.items() if k != "round"}}
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json_line(row) + "\n")
         if self.tensorboard is not None:
             for key, value in row.items():
                 if key != "round" and isinstance(value, (int, float)):

@@ -40,7 +40,8 @@ def runs(tmp_path_factory) -> dict:
     straight run's round-2 checkpoint; plus a FedACT run whose partition 1 raises in round 1."""
     base = tmp_path_factory.mktemp("resume")
     first = {m: f"algorithm={m} {BASE}" for m in METHODS}
-    first["fault"] = ("algorithm=fedact num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=3 "
+    # partition 1 raises in round 1 and min_train_nodes=1 lets the round aggregate partition 0 alone
+    first["fault"] = ("algorithm=fedact num_clients=2 fraction_train=1.0 min_train_nodes=1 local_steps=3 "
                       "num_rounds=2 device=cpu debug.fail_partitions=[1] debug.fail_rounds=[1]")
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
         done = dict(zip(first, pool.map(lambda name: run(base / name, first[name]), first)))
