@@ -9,6 +9,7 @@ training starts. The ServerApp, every ClientApp and the scripts call the same ``
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -55,6 +56,17 @@ def _require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     _require(value in choices, key, value, "one of " + ", ".join(choices))
 
 
+def _require_finite(section: Any, prefix: str) -> None:
+    """Every float field of the dataclass ``section``, and every float in its list fields, must be
+    finite: inf passes range checks such as ``> 0`` and nan makes every comparison false, and
+    either value only makes every round fail. Nested sections check themselves."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        items = value if isinstance(value, list) else [value]
+        _require(all(math.isfinite(v) for v in items if isinstance(v, float)), f"{prefix}{f.name}", value,
+                 "finite numbers" if isinstance(value, list) else "a finite number")
+
+
 @dataclass
 class DatasetConfig:
     """What data is trained on (``conf/dataset/*.yaml``)."""
@@ -78,6 +90,7 @@ class DatasetConfig:
     validation_fraction: float = 0.05  # language, local data: every round(1/f)-th document/record held out
 
     def __post_init__(self) -> None:
+        _require_finite(self, "dataset.")
         _require_choice("dataset.name", self.name, DATASETS)
         _require(0 < self.validation_fraction < 1, "dataset.validation_fraction", self.validation_fraction,
                  "in (0, 1)")
@@ -107,6 +120,7 @@ class LoraModelConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
     def __post_init__(self) -> None:
+        _require_finite(self, "model.lora.")
         _require(self.rank >= 1, "model.lora.rank", self.rank, ">= 1")
         _require(self.alpha > 0, "model.lora.alpha", self.alpha, "> 0")
         _require(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "in [0, 1)")
@@ -143,6 +157,7 @@ class LanguageConfig:
     dpo_beta: float = 0.1  # dpo: implicit reward r = beta (log pi - log ref)
 
     def __post_init__(self) -> None:
+        _require_finite(self, "language.")
         _require(self.seq_len >= 2, "language.seq_len", self.seq_len, ">= 2")
         _require(self.max_length >= 2, "language.max_length", self.max_length, ">= 2")
         _require(self.max_prompt_length >= 1, "language.max_prompt_length", self.max_prompt_length, ">= 1")
@@ -159,6 +174,7 @@ class PartitionConfig:
     min_partition_size: int = 0  # dirichlet: resample until every client has at least this many
 
     def __post_init__(self) -> None:
+        _require_finite(self, "partition.")
         _require_choice("partition.name", self.name, PARTITIONS)
         _require(self.alpha > 0, "partition.alpha", self.alpha, "> 0")
         _require(self.min_partition_size >= 0, "partition.min_partition_size", self.min_partition_size, ">= 0")
@@ -198,6 +214,7 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         from fedact_app.algorithms import ALGORITHMS  # registry of method names
 
+        _require_finite(self, "algorithm.")
         _require_choice("algorithm.name", self.name, tuple(ALGORITHMS))
         algorithm = ALGORITHMS[self.name]
         for key, value in algorithm.required.items():
@@ -208,7 +225,9 @@ class AlgorithmConfig:
         _require(0 <= self.lr_min <= self.lr, "algorithm.lr_min", self.lr_min, f"in [0, lr={self.lr}]")
         _require(len(self.betas) == 2, "algorithm.betas", self.betas, "two values [beta1, beta2]")
         _require(all(0 <= b < 1 for b in self.betas), "algorithm.betas", self.betas, "each in [0, 1)")
-        _require(self.eps >= 0, "algorithm.eps", self.eps, ">= 0")
+        # every method that reads eps divides by it (Adam's m / (sqrt(v) + eps), where v = 0 for a
+        # coordinate without gradient; FedLADA's v_hat floor eps^2); the others keep the default
+        _require(self.eps > 0, "algorithm.eps", self.eps, "> 0")
         _require(self.weight_decay >= 0, "algorithm.weight_decay", self.weight_decay, ">= 0")
         _require(0 <= self.rho <= 1, "algorithm.rho", self.rho, "in [0, 1]")
         _require(0 < self.tau <= 1, "algorithm.tau", self.tau, "in (0, 1]")
@@ -218,8 +237,6 @@ class AlgorithmConfig:
         _require(alpha >= gamma, "algorithm.alpha", alpha, f">= gamma ({gamma})")
         _require_choice("algorithm.trust_scope", self.trust_scope, ("global", "tensor"))
         _require_choice("algorithm.trust_signal", self.trust_signal, ("corrected", "local", "none"))
-        if self.name == "fedlada":  # v_hat starts at eps^2; FedLADA has no eps in its denominator
-            _require(self.eps > 0, "algorithm.eps", self.eps, "> 0 for algorithm fedlada")
         _require(self.mu >= 0, "algorithm.mu", self.mu, ">= 0")
         _require(self.server_lr > 0, "algorithm.server_lr", self.server_lr, "> 0")
         _require(len(self.server_betas) == 2, "algorithm.server_betas", self.server_betas,
@@ -261,6 +278,7 @@ class DiagnosticsConfig:
     top_p: float = 0.01
 
     def __post_init__(self) -> None:
+        _require_finite(self, "diagnostics.")
         _require(self.trust_every >= 0, "diagnostics.trust_every", self.trust_every, ">= 0 (0 = off)")
         _require(0 < self.top_p <= 1, "diagnostics.top_p", self.top_p, "in (0, 1]")
 
@@ -302,6 +320,7 @@ class Config:
     data_dir: Optional[str] = None  # Hugging Face datasets cache; default: HF_DATASETS_CACHE
 
     def __post_init__(self) -> None:
+        _require_finite(self, "")
         for key in ("num_rounds", "num_clients", "min_train_nodes", "local_steps", "batch_size",
                     "eval_every", "eval_batch_size", "max_empty_rounds"):
             _require(getattr(self, key) >= 1, key, getattr(self, key), ">= 1")

@@ -67,9 +67,10 @@ from fedact_app.compat import ensure_torchvision_ops
 ensure_torchvision_ops()  # datasets may import torchvision; keep it importable on the CPU torch
 
 import datasets  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from fedact_app.config import Config, DatasetConfig, PartitionConfig  # noqa: E402
+from fedact_app.config import Config, ConfigError, DatasetConfig, PartitionConfig  # noqa: E402
 
 DIGITS_SPLIT_SEED = 0  # fixed: the digits train/test split never depends on the run's seed
 DIGITS_TEST_FRACTION = 0.2
@@ -238,6 +239,36 @@ def _local_data_files(path: str, splits: Sequence[str]) -> tuple[str, dict[str, 
             return "parquet", {s: sorted(glob.glob(str(root / s / "*.parquet"))) for s in splits}
         return "imagefolder", {s: [str(root / s / "**")] for s in splits}
     return "parquet", {s: _split_parquet_files(root, s) for s in splits}
+
+
+def check_local_path(cfg: DatasetConfig) -> None:
+    """Refuse a ``dataset.path`` the run could not read, without loading any data (milliseconds):
+    ConfigError naming it when it fits none of the layouts above, when a split of an image folder
+    holds no file, or when a parquet file's footer cannot be read (a truncated or non-parquet
+    file). The launcher calls it before starting a SuperLink: in simulation every ClientApp reads
+    this path on the same machine. ``compose()`` does not, since on a SuperNode the path names
+    that node's files."""
+    try:
+        builder, data_files = _local_data_files(_resolve(cfg.path), (cfg.train_split, cfg.test_split))
+        for split, files in data_files.items():
+            if builder == "imagefolder":  # files: one recursive pattern, <path>/<split>/**
+                if not any(os.path.isfile(f) for f in glob.iglob(files[0], recursive=True)):
+                    raise FileNotFoundError(f"the image folder's {split!r} split holds no files")
+                continue
+            for file in files:
+                _read_parquet_footer(file)
+    except (OSError, ValueError) as err:  # the layout's FileNotFoundError / ValueError, the footer's
+        raise ConfigError(f"Invalid config value dataset.path={cfg.path!r}: allowed a parquet file, a folder "
+                          f"of parquet files or an image folder that can be read (fedact_app/data.py); {err}"
+                          ) from None
+
+
+def _read_parquet_footer(file: str) -> None:
+    """Read only ``file``'s parquet footer (schema, row groups); ValueError naming it if that fails."""
+    try:
+        pq.read_metadata(file)
+    except (OSError, ValueError) as err:  # pyarrow: ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise ValueError(f"{file} is not a readable parquet file: {err}") from None
 
 
 def _existing_files(pattern: str, path: str) -> list[str]:

@@ -596,9 +596,10 @@ def _parse_run_config(items: Iterable[str]) -> dict[str, Any]:
 def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
     """The number of SuperNodes to simulate. For a FedACT app (a checkout with
     ``fedact_app/config.py`` and ``conf/config.yaml``) the overrides are composed here first, so a
-    bad key or value fails in a second with its message (ValueError) instead of inside the run,
-    and there is one SuperNode per client: ``num_clients`` by default; another number is refused,
-    since every ClientApp would refuse the run. Another app: ``requested``, default 2."""
+    bad key or value fails in a second with its message (ValueError) instead of inside the run;
+    so do the values naming files (:func:`check_local_files`). There is one SuperNode per client:
+    ``num_clients`` by default; another number is refused, since every ClientApp would refuse the
+    run. Another app: ``requested``, default 2."""
     if not ((app / "fedact_app" / "config.py").is_file() and (app / "conf" / "config.yaml").is_file()):
         return 2 if requested is None else requested
     from fedact_app.config import compose  # Hydra: only for the app's own configuration
@@ -608,11 +609,28 @@ def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
     except Exception as err:  # noqa: BLE001 - ConfigError and Hydra's composition and type errors
         cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
         raise ValueError(f"{err}{cause}".strip()) from None
+    check_local_files(cfg)
     if requested is not None and requested != cfg.num_clients:
         raise ValueError(f"--num-supernodes {requested} differs from num_clients={cfg.num_clients}: "
                          f"each SuperNode is one client; pass --num-supernodes {cfg.num_clients}, or "
                          f"num_clients={requested} in --overrides")
     return cfg.num_clients
+
+
+def check_local_files(cfg: Any) -> None:
+    """ConfigError (a ValueError) for a FedACT config's values that name files this machine lacks:
+    ``resume`` (the checkpoint.resolve_resume check the ServerApp makes) and, for ``task=vision``,
+    ``dataset.path`` (data.check_local_path). ``compose()`` cannot check them, since on a SuperNode
+    they name that node's files; in simulation the ServerApp and every ClientApp run here, with
+    the launcher's working directory. Language tasks' local files are not checked here."""
+    if cfg.resume is not None:
+        from fedact_app.checkpoint import resolve_resume
+
+        resolve_resume(cfg.resume)
+    if cfg.task == "vision" and cfg.dataset.path is not None:
+        from fedact_app.data import check_local_path  # datasets: ~0.6 s, only when there is a path
+
+        check_local_path(cfg.dataset)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -298,6 +298,52 @@ def test_fedact_config_is_checked_before_anything_starts(tmp_path: Path, capsys)
     assert "--num-supernodes 3 differs from num_clients=4" in capsys.readouterr().err
 
 
+def _data_folders(root: Path) -> None:
+    """Under ``root``: good/ and broken/ (train.parquet and test.parquet, broken's test file cut off
+    before its footer), empty/, and images/ (train/cat/ and test/cat/, no image in them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name in ("good", "broken"):
+        (root / name).mkdir()
+        for split in ("train", "test"):
+            pq.write_table(pa.table({"image": [b"", b""], "label": [0, 1]}), root / name / f"{split}.parquet")
+    data = (root / "broken" / "test.parquet").read_bytes()
+    (root / "broken" / "test.parquet").write_bytes(data[: len(data) // 2])
+    (root / "empty").mkdir()
+    for split in ("train", "test"):
+        (root / "images" / split / "cat").mkdir(parents=True)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("resume=no-run", "does not exist"),
+    ("dataset.path=missing", "does not exist"),
+    ("dataset.path=broken", "test.parquet is not a readable parquet file"),
+    ("dataset.path=empty", "no parquet files"),
+    ("dataset.path=images", "'train' split holds no files"),
+])
+def test_a_path_the_run_cannot_read_fails_before_anything_starts(bad: str, why: str, tmp_path: Path,
+                                                                 monkeypatch, capsys) -> None:
+    """The launcher refuses it naming the key and value (exit 2) and starts no SuperLink, where
+    the run would fail only after its start (20-36 s) with the library's message."""
+    _data_folders(tmp_path)
+    key, _, name = bad.partition("=")
+    value = tmp_path / name
+    monkeypatch.setattr(launch, "run_simulation", lambda *a, **k: pytest.fail("a run was started"))
+    overrides = f"{key}={value}" if key == "resume" else f"dataset=cifar10 {key}={value}"
+    assert launch.main(["--app", str(REPO_ROOT), "--overrides", overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: Invalid config value {key}='{value}': allowed ") and why in err
+
+
+def test_readable_dataset_paths_pass_the_launchers_check(tmp_path: Path) -> None:
+    _data_folders(tmp_path)
+    for split in ("train", "test"):
+        (tmp_path / "images" / split / "cat" / "a.png").write_bytes(b"")
+    for path in ("good", "good/train.parquet", "images"):
+        assert launch.supernodes_for(REPO_ROOT, f"dataset=cifar10 dataset.path={tmp_path / path}", None) == 10
+
+
 def test_pid_alive() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     assert pid_alive(proc.pid) or proc.poll() is not None

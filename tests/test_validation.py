@@ -3,6 +3,7 @@ issue), configs the data cannot feed, and bad client replies built as real Flowe
 
 import logging
 import time
+from dataclasses import fields, is_dataclass
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 from flwr.app import ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedact_app.algorithms import ALGORITHMS
-from fedact_app.config import ConfigError, compose
+from fedact_app.config import Config, ConfigError, compose
 from fedact_app.data import train_labels
 from fedact_app.preflight import check_partitions
 from fedact_app.strategy import AlgorithmStrategy, ReplyError, decode_update
@@ -61,6 +62,42 @@ def test_each_bad_config_category_fails_naming_key_value_and_range(override, key
     assert message.startswith(f"Invalid config value {key}=") and "allowed" in message
     shown = dict(item.split("=", 1) for item in override.split()).get(key)
     assert shown is None or shown in message.replace(" ", "")  # the bad value itself is shown
+
+
+# a method that reads the key (else it must keep its default); model.lora needs its model
+FLOAT_KEY_CONTEXT = {"algorithm.mu": "algorithm=fedprox", "algorithm.server_betas": "algorithm=fedadam",
+                     "algorithm.server_eps": "algorithm=fedadam",
+                     "model.lora.alpha": "task=sft dataset=alpaca_gpt4 model=lora_causal_lm",
+                     "model.lora.dropout": "task=sft dataset=alpaca_gpt4 model=lora_causal_lm",
+                     "language.dpo_beta": "task=dpo dataset=hh_rlhf model=lora_causal_lm"}
+
+
+def _float_keys(node, prefix=""):
+    """The dotted keys of the schema's float, optional float and float-list fields (annotations)."""
+    keys = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            keys += _float_keys(value, f"{prefix}{f.name}.")
+        elif f.type in ("float", "Optional[float]", "list[float]"):
+            keys.append(prefix + f.name)
+    return keys
+
+
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("key", _float_keys(Config()))
+def test_every_float_must_be_finite(key, bad):
+    """inf passes checks like '> 0' and nan fails every comparison; either only makes rounds fail."""
+    value = f"[{bad},{bad},{bad}]" if key in ("dataset.mean", "dataset.std") else (
+        f"[0.9,{bad}]" if key.endswith("betas") else bad)
+    with pytest.raises(ConfigError, match=rf"^Invalid config value {key}=.*: allowed (a finite number|finite numbers)$"):
+        compose(FLOAT_KEY_CONTEXT.get(key, "").split() + [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("algorithm", [name for name, a in ALGORITHMS.items() if "eps" in a.uses])
+def test_eps_zero_is_refused_by_every_method_that_divides_by_it(algorithm):
+    with pytest.raises(ConfigError, match=r"^Invalid config value algorithm.eps=0.0: allowed > 0"):
+        compose([f"algorithm={algorithm}", "algorithm.eps=0"])
 
 
 def test_fault_injection_and_bound_are_off_by_default():
