@@ -312,6 +312,7 @@ class Config:
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
     max_empty_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
     max_update_norm: Optional[float] = None  # reject replies whose delta's L2 norm exceeds it; null = off
+    max_moment_ratio: float = 1e6  # reject a second moment whose norm exceeds this x the round's median; 0 = off
     checkpoint_every: int = 0  # write a checkpoint every n rounds; 0 = only after the last round
     keep_checkpoints: int = 2  # the newest checkpoints kept in <run folder>/checkpoints
     resume: Optional[str] = None  # continue from a checkpoint file, or a run folder's newest one
@@ -338,6 +339,8 @@ class Config:
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _require(self.max_update_norm is None or self.max_update_norm > 0, "max_update_norm",
                  self.max_update_norm, "> 0, or null (no bound)")
+        _require(self.max_moment_ratio == 0 or self.max_moment_ratio >= 1, "max_moment_ratio",
+                 self.max_moment_ratio, ">= 1, or 0 (no check)")
         _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
                  ">= 0 (0 = only at the end)")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, ">= 1")

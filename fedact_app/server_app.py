@@ -76,7 +76,7 @@ def main(grid: Grid, context: Context) -> None:
         fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
         fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed, expected_nodes=cfg.num_clients,
         max_empty_rounds=cfg.max_empty_rounds, max_update_norm=cfg.max_update_norm,
-        batch_size=cfg.batch_size, wire_dtype=cfg.wire_dtype,
+        batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio, wire_dtype=cfg.wire_dtype,
         train_config=client_round_config(checkpointer, resume))
     if resume is not None:
         source, ckpt = resume

@@ -51,6 +51,7 @@ from fedact_app.strategy import AlgorithmStrategy, ReplyError, decode_update
     ("algorithm=fedavg algorithm.rho=0.3", "algorithm.rho"),
     # reply bound, fault injection
     ("max_update_norm=0", "max_update_norm"),
+    ("max_moment_ratio=0.5", "max_moment_ratio"),
     ("debug.fail_partitions=[10] debug.fail_rounds=[1]", "debug.fail_partitions"),
     ("debug.fail_partitions=[0] debug.fail_rounds=[11]", "debug.fail_rounds"),
     ("debug.fail_partitions=[0]", "debug.fail_rounds"),
