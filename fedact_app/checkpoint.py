@@ -10,10 +10,12 @@ tensors sit under prefixed keys::
     rng/torch, rng/numpy         the ServerApp process's torch and numpy generator states
 
 and whose metadata entry ``"fedact"`` is a JSON object with the rest: round, the count of
-consecutive empty rounds, the python and node-sampling ``random.Random`` states, the numpy
-generator's scalars, the resolved config (YAML) and the metrics rows so far. One file is written to
-a temporary name in the same folder, fsynced and renamed over the final name (``os.replace``), so a
-crash never leaves a torn checkpoint; the oldest ones beyond ``keep_checkpoints`` are removed.
+consecutive empty rounds, the python ``random`` state, the numpy generator's scalars, the resolved
+config (YAML) and the metrics rows so far. Node sampling keeps no state to save: round r's sample
+follows from (seed, r) alone. Older checkpoints also hold the node sampler's ``random.Random``
+state under ``"sampler"``; loading ignores it. One file is written to a temporary name in the same
+folder, fsynced and renamed over the final name (``os.replace``), so a crash never leaves a torn
+checkpoint; the oldest ones beyond ``keep_checkpoints`` are removed.
 
 Clients keep state across rounds in Flower's ``Context.state``, which a new Flower run starts
 empty. So that a resumed simulation continues exactly, a client that keeps state also writes it to
@@ -93,25 +95,24 @@ class Checkpoint:
     round: int
     model: TensorDict
     rule: dict[str, TensorDict]
-    rng: dict  # "python", "sampler": random.Random states; "numpy", "torch": see capture_rng
+    rng: dict  # "python": the random module's state; "numpy", "torch": see capture_rng
     empty_rounds: int
     config: str  # the resolved config (YAML) of the run that wrote it
     rows: list[dict]  # metrics rows 0..round
     clients: dict[str, dict[str, TensorDict]] = field(default_factory=dict)  # partition id -> kept state
 
 
-def capture_rng(sampler: random.Random) -> dict:
-    """The process's python, numpy and torch generator states and the node sampler's state."""
+def capture_rng() -> dict:
+    """The process's python, numpy and torch generator states."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "sampler": sampler.getstate(), "torch": torch.get_rng_state(),
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
 
 
-def restore_rng(rng: dict, sampler: random.Random) -> None:
+def restore_rng(rng: dict) -> None:
     """Inverse of ``capture_rng``."""
     random.setstate(rng["python"])
-    sampler.setstate(rng["sampler"])
     torch.set_rng_state(rng["torch"])
     n = rng["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
@@ -134,8 +135,7 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     tensors["rng/torch"] = ckpt.rng["torch"]
     tensors["rng/numpy"] = numpy_rng.pop("keys")
     meta = {"round": ckpt.round, "empty_rounds": ckpt.empty_rounds, "config": ckpt.config,
-            "rows": ckpt.rows, "rng": {"python": ckpt.rng["python"], "sampler": ckpt.rng["sampler"],
-                                       "numpy": numpy_rng}}
+            "rows": ckpt.rows, "rng": {"python": ckpt.rng["python"], "numpy": numpy_rng}}
     save_tensors(path, tensors, {METADATA_KEY: json.dumps(meta)})
 
 
@@ -161,8 +161,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     meta = json.loads(metadata)
     tensors = load_file(str(path))
     clients = {pid: _nested(kept) for pid, kept in _nested(_split(tensors, "client/")).items()}
-    rng = {"python": _random_state(meta["rng"]["python"]), "sampler": _random_state(meta["rng"]["sampler"]),
-           "torch": tensors["rng/torch"], "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}
+    rng = {"python": _random_state(meta["rng"]["python"]), "torch": tensors["rng/torch"],
+           "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}
     return Checkpoint(round=meta["round"], model=_split(tensors, "model/"),
                       rule=_nested(_split(tensors, "rule/")), rng=rng, empty_rounds=meta["empty_rounds"],
                       config=meta["config"], rows=meta["rows"], clients=clients)
@@ -301,13 +301,13 @@ def client_round_config(checkpointer: Checkpointer, resume: tuple[Path, Checkpoi
 def snapshot(strategy, server_round: int, rows: list[dict], cfg: Config) -> Checkpoint:
     """A ``Checkpoint`` of an ``AlgorithmStrategy`` after ``server_round`` (clients filled on write)."""
     return Checkpoint(round=server_round, model=dict(strategy.state), rule=strategy.rule.state_dict(),
-                      rng=capture_rng(strategy.rng), empty_rounds=strategy.empty_rounds,
+                      rng=capture_rng(), empty_rounds=strategy.empty_rounds,
                       config=to_yaml(cfg), rows=list(rows))
 
 
 def restore(strategy, ckpt: Checkpoint) -> TensorDict:
     """Put the checkpoint's rule state, RNG states and empty-round count back; return its model."""
     strategy.rule.load_state_dict(ckpt.rule)
-    restore_rng(ckpt.rng, strategy.rng)
+    restore_rng(ckpt.rng)
     strategy.empty_rounds = ckpt.empty_rounds
     return dict(ckpt.model)

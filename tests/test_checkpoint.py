@@ -1,12 +1,15 @@
 """Checkpoints: atomic writes, rotation, round trips of everything a run needs to continue, the
 server rules' state, the clients' kept state and the resume checks."""
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate
 from fedact_app.checkpoint import (Checkpoint, Checkpointer, atomic_write, capture_rng, check_compatible,
@@ -24,7 +27,7 @@ def checkpoint(server_round=2, cfg=None, clients=None) -> Checkpoint:
         round=server_round, model={n: t + server_round for n, t in X.items()},
         rule={"v_bar": {"w": torch.full((2, 3), 0.5), "b": torch.zeros(2)},
               "delta_g": {"w": -torch.ones(2, 3), "b": torch.tensor([0.25, 3.0])}},
-        rng=capture_rng(random.Random(7)), empty_rounds=1, config=to_yaml(cfg or compose()),
+        rng=capture_rng(), empty_rounds=1, config=to_yaml(cfg or compose()),
         rows=[{"round": 0, "test_accuracy": 0.1}, {"round": 1, "train_loss": float("nan")}],
         clients=clients or {})
 
@@ -50,23 +53,46 @@ def test_checkpoint_round_trip(tmp_path):
     assert_same_arrays(loaded.model, saved.model)
     assert_same_arrays(loaded.rule, saved.rule)
     assert_same_arrays(loaded.clients, saved.clients)
-    assert loaded.rng["sampler"] == saved.rng["sampler"] and loaded.rng["python"] == saved.rng["python"]
+    assert loaded.rng["python"] == saved.rng["python"]
+
+
+def rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
+    """Write ``path`` again, its "fedact" metadata and tensors changed by the edit functions, as
+    another writer (an older FedACT, another tool) would have written it."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["fedact"])
+    tensors = load_file(str(path))
+    save_file((edit_tensors or (lambda t: t))(tensors),
+              str(path), metadata={"fedact": json.dumps((edit_meta or (lambda m: m))(meta))})
+
+
+def test_checkpoints_hold_no_node_sampler_state_and_older_ones_with_one_still_load(tmp_path):
+    """Node sampling is derived from (seed, round), so nothing of it is saved; a checkpoint of an
+    older FedACT holds the sampler's random.Random state, which loading ignores."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, checkpoint())
+    with safe_open(str(path), framework="pt") as f:
+        assert set(json.loads(f.metadata()["fedact"])["rng"]) == {"python", "numpy"}
+    assert set(load_checkpoint(path).rng) == {"python", "numpy", "torch"}
+
+    rewrite(path, edit_meta=lambda m: {**m, "rng": {**m["rng"], "sampler": m["rng"]["python"]}})
+    older = load_checkpoint(path)
+    assert set(older.rng) == {"python", "numpy", "torch"} and older.round == 2
+    restore_rng(older.rng)
 
 
 def test_rng_states_restore_the_same_draws(tmp_path):
-    sampler = random.Random(3)
-    sampler.random()
     torch.manual_seed(1), np.random.seed(2), random.seed(4)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's legacy state
     save_checkpoint(tmp_path / "c.safetensors",
-                    Checkpoint(1, dict(X), {}, capture_rng(sampler), 0, to_yaml(compose()), []))
+                    Checkpoint(1, dict(X), {}, capture_rng(), 0, to_yaml(compose()), []))
 
     def draws():
-        return (sampler.sample(range(100), 5), random.random(), np.random.standard_normal(3).tolist(),
+        return (random.sample(range(100), 5), random.random(), np.random.standard_normal(3).tolist(),
                 torch.rand(3).tolist())
 
     first = draws()
-    restore_rng(load_checkpoint(tmp_path / "c.safetensors").rng, sampler)
+    restore_rng(load_checkpoint(tmp_path / "c.safetensors").rng)
     assert draws() == first
 
 
