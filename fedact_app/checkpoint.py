@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from fedact_app.algorithms import TensorDict
@@ -54,6 +54,14 @@ COMPATIBLE_KEYS = ("algorithm", "model", "dataset", "partition", "seed", "num_cl
                    "batch_size", "task", "language")
 NEWER_KEYS = ("task", "language")  # absent from older checkpoints (vision runs): taken as the current values
 SPEED_ONLY_KEYS = ("algorithm.compile", "algorithm.fused")  # how the step runs, not what it computes: free to change on resume
+# What every checkpoint holds: entries of its "fedact" metadata (rng.<key>: inside "rng"), and tensors
+# besides the model's.
+REQUIRED_METADATA = ("round", "empty_rounds", "config", "rows", "rng.python", "rng.numpy")
+REQUIRED_TENSORS = ("rng/torch", "rng/numpy")
+
+
+class CheckpointError(ValueError):
+    """A file ``load_checkpoint`` refuses; the message names the file and what is wrong with it."""
 
 
 # ---------------------------------------------------------------- atomic files
@@ -152,14 +160,47 @@ def _nested(tensors: TensorDict) -> dict[str, TensorDict]:
     return out
 
 
+def _read(path: Path) -> tuple[TensorDict, dict[str, str]]:
+    """A safetensors file's tensors and metadata; CheckpointError when it is not a readable one."""
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated, or another format): "
+                              f"{err}") from err
+
+
+def _fedact_metadata(path: Path, tensors: TensorDict, metadata: dict[str, str]) -> dict:
+    """The checkpoint's "fedact" metadata, once the file is known to hold every required entry."""
+    if METADATA_KEY not in metadata:
+        raise CheckpointError(f"{path} is not a FedACT checkpoint (no {METADATA_KEY!r} metadata)")
+    try:
+        meta = json.loads(metadata[METADATA_KEY])
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a FedACT checkpoint ({METADATA_KEY!r} metadata is not a JSON "
+                              f"object)")
+    rng = meta.get("rng") if isinstance(meta.get("rng"), dict) else {}
+    missing = [key for key in REQUIRED_METADATA
+               if (rng if key.startswith("rng.") else meta).get(key.removeprefix("rng.")) is None]
+    missing += [name for name in REQUIRED_TENSORS if name not in tensors]
+    missing += [] if any(name.startswith("model/") for name in tensors) else ["model/"]
+    if missing:
+        raise CheckpointError(f"{path} is not a FedACT checkpoint (missing {missing})")
+    return meta
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Read a checkpoint written by ``save_checkpoint``."""
-    with safe_open(str(path), framework="pt") as f:
-        metadata = (f.metadata() or {}).get(METADATA_KEY)
-    if metadata is None:
-        raise ValueError(f"{path} is not a FedACT checkpoint (no {METADATA_KEY!r} metadata)")
-    meta = json.loads(metadata)
-    tensors = load_file(str(path))
+    """Read a checkpoint written by ``save_checkpoint``.
+
+    Raises ``CheckpointError``, naming the file and the fault, for a file that is empty, truncated
+    or not safetensors, or that lacks the "fedact" metadata or an entry every checkpoint holds."""
+    path = Path(path)
+    tensors, metadata = _read(path)
+    meta = _fedact_metadata(path, tensors, metadata)
     clients = {pid: _nested(kept) for pid, kept in _nested(_split(tensors, "client/")).items()}
     rng = {"python": _random_state(meta["rng"]["python"]), "torch": tensors["rng/torch"],
            "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}
@@ -281,11 +322,16 @@ def restored_client_state(config: Mapping, partition_id: int) -> dict[str, Tenso
 
 
 def open_resume(cfg: Config) -> tuple[Path, Checkpoint] | None:
-    """(source, checkpoint) named by ``cfg.resume`` and checked against ``cfg``; None when not resuming."""
+    """(source, checkpoint) named by ``cfg.resume`` and checked against ``cfg``; None when not resuming.
+    A checkpoint ``load_checkpoint`` refuses is a ``ConfigError`` naming ``resume=`` and the file."""
     if cfg.resume is None:
         return None
     source = resolve_resume(cfg.resume)
-    ckpt = load_checkpoint(source)
+    try:
+        ckpt = load_checkpoint(source)
+    except CheckpointError as err:
+        raise ConfigError(f"Invalid config value resume={cfg.resume!r}: allowed a complete FedACT checkpoint "
+                          f"(or a run folder whose newest checkpoint is one); {err}") from err
     check_compatible(ckpt, cfg, source)
     return source, ckpt
 

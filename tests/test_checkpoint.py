@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate
-from fedact_app.checkpoint import (Checkpoint, Checkpointer, atomic_write, capture_rng, check_compatible,
-                                   client_round_config, list_checkpoints, load_checkpoint,
-                                   persist_client_state, resolve_resume, restore_rng,
+from fedact_app.checkpoint import (Checkpoint, CheckpointError, Checkpointer, atomic_write, capture_rng,
+                                   check_compatible, client_round_config, list_checkpoints, load_checkpoint,
+                                   open_resume, persist_client_state, resolve_resume, restore_rng,
                                    restored_client_state, save_checkpoint)
 from fedact_app.config import ConfigError, compose, to_yaml
 
@@ -200,3 +200,50 @@ def test_resume_must_match_the_checkpointed_run(tmp_path):
         resolve_resume(str(tmp_path / "nope.safetensors"))
     with pytest.raises(ConfigError, match="holds none"):
         resolve_resume(str(tmp_path))
+
+
+def refused(path: Path, match: str) -> None:
+    """load_checkpoint refuses ``path`` naming it and ``match``; so does a run resuming from it."""
+    with pytest.raises(CheckpointError, match=match) as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+    with pytest.raises(ConfigError, match=match) as err:
+        open_resume(compose([f"resume={path}", "num_rounds=4"]))
+    assert f"resume={str(path)!r}" in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("damage, match", [
+    pytest.param(lambda raw: b"", "is empty", id="empty"),
+    pytest.param(lambda raw: raw[: len(raw) // 2], "not a readable safetensors file",
+                 id="half"),
+    pytest.param(lambda raw: raw[:-1], "not a readable safetensors file.*not fully covered", id="last-byte-cut"),
+    pytest.param(lambda raw: b"round 2, model w = [1, 2, 3]\n" * 4, "not a readable safetensors file",
+                 id="text"),
+])
+def test_an_empty_truncated_or_foreign_file_is_refused_naming_it(tmp_path, damage, match):
+    path = tmp_path / "round-00002.safetensors"
+    save_checkpoint(path, checkpoint())
+    path.write_bytes(damage(path.read_bytes()))
+    refused(path, match)
+
+
+def test_a_safetensors_file_that_is_not_a_fedact_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "model.safetensors"  # e.g. a run's final model
+    save_file({n: t.contiguous() for n, t in X.items()}, str(path))
+    refused(path, "not a FedACT checkpoint \\(no 'fedact' metadata\\)")
+    save_file(dict(X), str(path), metadata={"fedact": "{not json"})
+    refused(path, "not a FedACT checkpoint \\('fedact' metadata is not a JSON object")
+
+
+@pytest.mark.parametrize("edit_meta, edit_tensors, missing", [
+    pytest.param(lambda m: {k: v for k, v in m.items() if k != "rows"}, None, "rows", id="rows"),
+    pytest.param(lambda m: {**m, "rng": {"numpy": m["rng"]["numpy"]}}, None, "rng.python", id="rng.python"),
+    pytest.param(None, lambda t: {n: v for n, v in t.items() if n != "rng/torch"}, "rng/torch", id="rng/torch"),
+    pytest.param(None, lambda t: {n: v for n, v in t.items() if not n.startswith("model/")}, "model/",
+                 id="model"),
+])
+def test_a_checkpoint_missing_an_entry_is_refused_naming_it(tmp_path, edit_meta, edit_tensors, missing):
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, checkpoint())
+    rewrite(path, edit_meta, edit_tensors)
+    refused(path, f"not a FedACT checkpoint \\(missing .*'{missing}'")
