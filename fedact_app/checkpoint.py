@@ -13,7 +13,9 @@ and whose metadata entry ``"fedact"`` is a JSON object with the rest: round, the
 consecutive empty rounds, the python ``random`` state, the numpy generator's scalars, the resolved
 config (YAML) and the metrics rows so far. Node sampling keeps no state to save: round r's sample
 follows from (seed, r) alone. Older checkpoints also hold the node sampler's ``random.Random``
-state under ``"sampler"``; loading ignores it. One file is written to a temporary name in the same
+state under ``"sampler"``; loading ignores it. The metadata entry ``"fedact-sha256"`` is a SHA-256
+over the tensors and the ``"fedact"`` entry (``checksum``): a checkpoint changed after it was
+written does not load (checkpoints of FedACT before it have none and load unverified). One file is written to a temporary name in the same
 folder, fsynced and renamed over the final name (``os.replace``), so a crash never leaves a torn
 checkpoint; the oldest ones beyond ``keep_checkpoints`` are removed.
 
@@ -28,6 +30,7 @@ state from when their ``Context.state`` is empty. docs/DEPLOY.md says what happe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -49,6 +52,7 @@ CLIENT_STATE_DIR = "client_state"
 CLIENT_STATE_DIR_KEY = "client-state-dir"  # round-config key: where clients write their kept state
 RESUME_KEY = "resume-checkpoint"  # round-config key: the checkpoint clients restore their state from
 METADATA_KEY = "fedact"
+CHECKSUM_KEY = "fedact-sha256"  # metadata entry: checksum(tensors, the METADATA_KEY entry)
 # Keys that must match between a checkpoint's config and the resuming run's (num_rounds may grow).
 COMPATIBLE_KEYS = ("algorithm", "model", "dataset", "partition", "seed", "num_clients", "local_steps",
                    "batch_size", "task", "language")
@@ -133,6 +137,21 @@ def _random_state(state: list) -> tuple:
     return version, tuple(internal), gauss
 
 
+def checksum(tensors: TensorDict, metadata: str) -> str:
+    """SHA-256 (hex) over each tensor's name, dtype, shape and bytes, in name order, then ``metadata``.
+
+    Each tensor's bytes follow a JSON line describing it with their count, so two different sets of
+    tensors never feed the hash the same byte stream."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape), data.nbytes]).encode() + b"\n")
+        digest.update(data)
+    digest.update(metadata.encode())
+    return digest.hexdigest()
+
+
 def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     """Write ``ckpt`` to ``path`` atomically (module docstring: layout)."""
     tensors = {f"model/{n}": t for n, t in ckpt.model.items()}
@@ -144,7 +163,8 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     tensors["rng/numpy"] = numpy_rng.pop("keys")
     meta = {"round": ckpt.round, "empty_rounds": ckpt.empty_rounds, "config": ckpt.config,
             "rows": ckpt.rows, "rng": {"python": ckpt.rng["python"], "numpy": numpy_rng}}
-    save_tensors(path, tensors, {METADATA_KEY: json.dumps(meta)})
+    text = json.dumps(meta)
+    save_tensors(path, tensors, {METADATA_KEY: text, CHECKSUM_KEY: checksum(tensors, text)})
 
 
 def _split(tensors: TensorDict, prefix: str) -> TensorDict:
@@ -197,10 +217,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
     """Read a checkpoint written by ``save_checkpoint``.
 
     Raises ``CheckpointError``, naming the file and the fault, for a file that is empty, truncated
-    or not safetensors, or that lacks the "fedact" metadata or an entry every checkpoint holds."""
+    or not safetensors, that lacks the "fedact" metadata or an entry every checkpoint holds, or
+    whose checksum does not match its content. A checkpoint without a checksum (written by FedACT
+    before checkpoints had one) loads unverified."""
     path = Path(path)
     tensors, metadata = _read(path)
     meta = _fedact_metadata(path, tensors, metadata)
+    if CHECKSUM_KEY in metadata and checksum(tensors, metadata[METADATA_KEY]) != metadata[CHECKSUM_KEY]:
+        raise CheckpointError(f"{path} does not match its checksum ({CHECKSUM_KEY}): its tensors or metadata "
+                              f"changed after it was written (corrupted or edited)")
     clients = {pid: _nested(kept) for pid, kept in _nested(_split(tensors, "client/")).items()}
     rng = {"python": _random_state(meta["rng"]["python"]), "torch": tensors["rng/torch"],
            "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}

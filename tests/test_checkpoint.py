@@ -202,6 +202,14 @@ def test_resume_must_match_the_checkpointed_run(tmp_path):
         resolve_resume(str(tmp_path))
 
 
+def data_offset(path: Path, name: str) -> int:
+    """Where tensor ``name``'s bytes start in the safetensors file ``path`` (8-byte header length,
+    JSON header, then the data, each tensor at its ``data_offsets``)."""
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    return 8 + header_len + json.loads(raw[8:8 + header_len])[name]["data_offsets"][0]
+
+
 def refused(path: Path, match: str) -> None:
     """load_checkpoint refuses ``path`` naming it and ``match``; so does a run resuming from it."""
     with pytest.raises(CheckpointError, match=match) as err:
@@ -247,3 +255,32 @@ def test_a_checkpoint_missing_an_entry_is_refused_naming_it(tmp_path, edit_meta,
     save_checkpoint(path, checkpoint())
     rewrite(path, edit_meta, edit_tensors)
     refused(path, f"not a FedACT checkpoint \\(missing .*'{missing}'")
+
+
+def test_a_checkpoint_altered_after_it_was_written_fails_its_checksum(tmp_path):
+    """Bytes of the model overwritten in place (the file stays a valid safetensors file with the
+    same layout), or the metadata's round changed: the checksum no longer matches."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, checkpoint())
+    raw = bytearray(path.read_bytes())
+    at = data_offset(path, "model/w")
+    raw[at:at + 4] = torch.tensor([1e6]).numpy().tobytes()
+    path.write_bytes(bytes(raw))
+    assert load_file(str(path))["model/w"][0, 0] == 1e6  # still readable: only the checksum tells
+    refused(path, "does not match its checksum")
+
+    save_checkpoint(path, checkpoint())
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b'{\\"round\\": 2,', b'{\\"round\\": 3,'))  # JSON inside the header's JSON
+    assert path.read_bytes() != raw and load_file(str(path))  # same length: still a valid safetensors file
+    refused(path, "does not match its checksum")
+
+
+def test_a_checkpoint_without_a_checksum_from_an_older_fedact_still_loads(tmp_path):
+    path = tmp_path / "c.safetensors"
+    saved = checkpoint()
+    save_checkpoint(path, saved)
+    rewrite(path)  # the "fedact" metadata only, as FedACT wrote it before checkpoints had a checksum
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.metadata()) == {"fedact"}
+    assert_same_arrays(load_checkpoint(path).model, saved.model)
