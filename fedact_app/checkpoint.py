@@ -137,6 +137,25 @@ def _random_state(state: list) -> tuple:
     return version, tuple(internal), gauss
 
 
+def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names (sorted) of the floating-point tensors holding NaN or inf."""
+    return sorted(name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all())
+
+
+def _describe(names: list[str]) -> str:
+    """The first five names, and how many more there are."""
+    return f"{names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _state_tensors(ckpt: Checkpoint) -> TensorDict:
+    """The model, rule and clients' kept state of ``ckpt`` under their checkpoint names."""
+    tensors = {f"model/{n}": t for n, t in ckpt.model.items()}
+    tensors.update({f"rule/{key}/{n}": t for key, arrays in ckpt.rule.items() for n, t in arrays.items()})
+    tensors.update({f"client/{pid}/{key}/{n}": t for pid, kept in ckpt.clients.items()
+                    for key, arrays in kept.items() for n, t in arrays.items()})
+    return tensors
+
+
 def checksum(tensors: TensorDict, metadata: str) -> str:
     """SHA-256 (hex) over each tensor's name, dtype, shape and bytes, in name order, then ``metadata``.
 
@@ -154,10 +173,7 @@ def checksum(tensors: TensorDict, metadata: str) -> str:
 
 def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     """Write ``ckpt`` to ``path`` atomically (module docstring: layout)."""
-    tensors = {f"model/{n}": t for n, t in ckpt.model.items()}
-    tensors.update({f"rule/{key}/{n}": t for key, arrays in ckpt.rule.items() for n, t in arrays.items()})
-    tensors.update({f"client/{pid}/{key}/{n}": t for pid, kept in ckpt.clients.items()
-                    for key, arrays in kept.items() for n, t in arrays.items()})
+    tensors = _state_tensors(ckpt)
     numpy_rng = dict(ckpt.rng["numpy"])
     tensors["rng/torch"] = ckpt.rng["torch"]
     tensors["rng/numpy"] = numpy_rng.pop("keys")
@@ -218,8 +234,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
     Raises ``CheckpointError``, naming the file and the fault, for a file that is empty, truncated
     or not safetensors, that lacks the "fedact" metadata or an entry every checkpoint holds, or
-    whose checksum does not match its content. A checkpoint without a checksum (written by FedACT
-    before checkpoints had one) loads unverified."""
+    whose checksum does not match its content, or whose model, rule or client state holds NaN or
+    inf (the checksum of a run saved after it diverged matches). A checkpoint without a checksum
+    (written by FedACT before checkpoints had one) loads unverified, its values still checked."""
     path = Path(path)
     tensors, metadata = _read(path)
     meta = _fedact_metadata(path, tensors, metadata)
@@ -229,9 +246,13 @@ def load_checkpoint(path: Path) -> Checkpoint:
     clients = {pid: _nested(kept) for pid, kept in _nested(_split(tensors, "client/")).items()}
     rng = {"python": _random_state(meta["rng"]["python"]), "torch": tensors["rng/torch"],
            "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}
-    return Checkpoint(round=meta["round"], model=_split(tensors, "model/"),
+    ckpt = Checkpoint(round=meta["round"], model=_split(tensors, "model/"),
                       rule=_nested(_split(tensors, "rule/")), rng=rng, empty_rounds=meta["empty_rounds"],
                       config=meta["config"], rows=meta["rows"], clients=clients)
+    if poisoned := non_finite(_state_tensors(ckpt)):
+        raise CheckpointError(f"{path} holds non-finite values (NaN or inf) in {_describe(poisoned)}; "
+                              f"a run resumed from it would continue from a diverged or poisoned state")
+    return ckpt
 
 
 def checkpoint_path(run_dir: Path, server_round: int) -> Path:
@@ -308,10 +329,18 @@ class Checkpointer:
         return clients
 
     def write(self, ckpt: Checkpoint) -> Path:
-        """Save ``ckpt`` (with the clients' kept state) and remove the oldest beyond ``keep``."""
+        """Save ``ckpt`` (with the clients' kept state) and remove the oldest beyond ``keep``.
+
+        A ``ckpt`` whose state holds NaN or inf raises RuntimeError before anything is written or
+        removed: ``load_checkpoint`` would refuse it, and rotating it in would remove the last
+        checkpoints a run could be resumed from."""
         path = checkpoint_path(self.run_dir, ckpt.round)
-        path.parent.mkdir(parents=True, exist_ok=True)
         ckpt.clients = self.client_states()
+        if poisoned := non_finite(_state_tensors(ckpt)):
+            raise RuntimeError(f"Round {ckpt.round}'s state holds non-finite values (NaN or inf) in "
+                               f"{_describe(poisoned)}: no checkpoint written; those in {path.parent} "
+                               f"are of earlier rounds")
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(path, ckpt)
         for old in list_checkpoints(self.run_dir)[:-self.keep]:
             old.unlink()

@@ -284,3 +284,33 @@ def test_a_checkpoint_without_a_checksum_from_an_older_fedact_still_loads(tmp_pa
     with safe_open(str(path), framework="pt") as f:
         assert set(f.metadata()) == {"fedact"}
     assert_same_arrays(load_checkpoint(path).model, saved.model)
+
+
+@pytest.mark.parametrize("part, value", [("model", float("nan")), ("rule", float("inf")),
+                                         ("model", -float("inf"))])
+@pytest.mark.parametrize("older", [False, True])
+def test_a_checkpoint_holding_non_finite_state_is_refused_naming_the_tensors(tmp_path, part, value, older):
+    """A model or rule state with NaN/inf would resume a poisoned run. Its checksum matches (it was
+    saved that way), so the values themselves are checked, in older checkpoints (no checksum) too."""
+    path = tmp_path / "c.safetensors"
+    ckpt = checkpoint()
+    if part == "model":
+        ckpt.model["w"] = torch.tensor([[0.0, value, 1.0], [2.0, 3.0, 4.0]])
+    else:
+        ckpt.rule["v_bar"]["b"] = torch.tensor([value, 0.0])
+    save_checkpoint(path, ckpt)
+    if older:
+        rewrite(path)
+    name = "model/w" if part == "model" else "rule/v_bar/b"
+    refused(path, f"non-finite values \\(NaN or inf\\) in \\[{name!r}\\]")
+
+
+def test_a_state_holding_non_finite_values_is_not_checkpointed_and_the_older_checkpoints_stay(tmp_path):
+    checkpointer = Checkpointer(tmp_path, compose(["keep_checkpoints=1", "checkpoint_every=1"]))
+    good = checkpointer.write(checkpoint(1))
+    diverged = checkpoint(2)
+    diverged.rule["delta_g"]["w"] = torch.full((2, 3), float("nan"))
+    with pytest.raises(RuntimeError, match=r"Round 2's state holds non-finite values \(NaN or inf\) in "
+                                           r"\['rule/delta_g/w'\]: no checkpoint written"):
+        checkpointer.write(diverged)
+    assert list_checkpoints(tmp_path) == [good]
