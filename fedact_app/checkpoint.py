@@ -15,9 +15,12 @@ config (YAML) and the metrics rows so far. Node sampling keeps no state to save:
 follows from (seed, r) alone. Older checkpoints also hold the node sampler's ``random.Random``
 state under ``"sampler"``; loading ignores it. The metadata entry ``"fedact-sha256"`` is a SHA-256
 over the tensors and the ``"fedact"`` entry (``checksum``): a checkpoint changed after it was
-written does not load (checkpoints of FedACT before it have none and load unverified). One file is written to a temporary name in the same
-folder, fsynced and renamed over the final name (``os.replace``), so a crash never leaves a torn
-checkpoint; the oldest ones beyond ``keep_checkpoints`` are removed.
+written does not load (those of FedACT before checksums have none and load unverified), nor does
+one whose state holds NaN or inf.
+
+One file is written to a temporary name in the same folder, fsynced and renamed over the final
+name (``os.replace``), so a crash never leaves a torn checkpoint; the oldest ones beyond
+``keep_checkpoints`` are removed.
 
 Clients keep state across rounds in Flower's ``Context.state``, which a new Flower run starts
 empty. So that a resumed simulation continues exactly, a client that keeps state also writes it to
@@ -142,7 +145,7 @@ def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     return sorted(name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all())
 
 
-def _describe(names: list[str]) -> str:
+def describe_names(names: list[str]) -> str:
     """The first five names, and how many more there are."""
     return f"{names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
@@ -250,7 +253,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
                       rule=_nested(_split(tensors, "rule/")), rng=rng, empty_rounds=meta["empty_rounds"],
                       config=meta["config"], rows=meta["rows"], clients=clients)
     if poisoned := non_finite(_state_tensors(ckpt)):
-        raise CheckpointError(f"{path} holds non-finite values (NaN or inf) in {_describe(poisoned)}; "
+        raise CheckpointError(f"{path} holds non-finite values (NaN or inf) in {describe_names(poisoned)}; "
                               f"a run resumed from it would continue from a diverged or poisoned state")
     return ckpt
 
@@ -338,7 +341,7 @@ class Checkpointer:
         ckpt.clients = self.client_states()
         if poisoned := non_finite(_state_tensors(ckpt)):
             raise RuntimeError(f"Round {ckpt.round}'s state holds non-finite values (NaN or inf) in "
-                               f"{_describe(poisoned)}: no checkpoint written; those in {path.parent} "
+                               f"{describe_names(poisoned)}: no checkpoint written; those in {path.parent} "
                                f"are of earlier rounds")
         path.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(path, ckpt)
