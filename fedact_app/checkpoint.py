@@ -10,10 +10,17 @@ tensors sit under prefixed keys::
     rng/torch, rng/numpy         the ServerApp process's torch and numpy generator states
 
 and whose metadata entry ``"fedact"`` is a JSON object with the rest: round, the count of
-consecutive empty rounds, the python and node-sampling ``random.Random`` states, the numpy
-generator's scalars, the resolved config (YAML) and the metrics rows so far. One file is written to
-a temporary name in the same folder, fsynced and renamed over the final name (``os.replace``), so a
-crash never leaves a torn checkpoint; the oldest ones beyond ``keep_checkpoints`` are removed.
+consecutive empty rounds, the python ``random`` state, the numpy generator's scalars, the resolved
+config (YAML) and the metrics rows so far. Node sampling keeps no state to save: round r's sample
+follows from (seed, r) alone. Older checkpoints also hold the node sampler's ``random.Random``
+state under ``"sampler"``; loading ignores it. The metadata entry ``"fedact-sha256"`` is a SHA-256
+over the tensors and the ``"fedact"`` entry (``checksum``): a checkpoint changed after it was
+written does not load (those of FedACT before checksums have none and load unverified), nor does
+one whose state holds NaN or inf.
+
+One file is written to a temporary name in the same folder, fsynced and renamed over the final
+name (``os.replace``), so a crash never leaves a torn checkpoint; the oldest ones beyond
+``keep_checkpoints`` are removed.
 
 Clients keep state across rounds in Flower's ``Context.state``, which a new Flower run starts
 empty. So that a resumed simulation continues exactly, a client that keeps state also writes it to
@@ -26,6 +33,7 @@ state from when their ``Context.state`` is empty. docs/DEPLOY.md says what happe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -36,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from fedact_app.algorithms import TensorDict
@@ -47,11 +55,20 @@ CLIENT_STATE_DIR = "client_state"
 CLIENT_STATE_DIR_KEY = "client-state-dir"  # round-config key: where clients write their kept state
 RESUME_KEY = "resume-checkpoint"  # round-config key: the checkpoint clients restore their state from
 METADATA_KEY = "fedact"
+CHECKSUM_KEY = "fedact-sha256"  # metadata entry: checksum(tensors, the METADATA_KEY entry)
 # Keys that must match between a checkpoint's config and the resuming run's (num_rounds may grow).
 COMPATIBLE_KEYS = ("algorithm", "model", "dataset", "partition", "seed", "num_clients", "local_steps",
                    "batch_size", "task", "language")
 NEWER_KEYS = ("task", "language")  # absent from older checkpoints (vision runs): taken as the current values
 SPEED_ONLY_KEYS = ("algorithm.compile", "algorithm.fused")  # how the step runs, not what it computes: free to change on resume
+# What every checkpoint holds: entries of its "fedact" metadata (rng.<key>: inside "rng"), and tensors
+# besides the model's.
+REQUIRED_METADATA = ("round", "empty_rounds", "config", "rows", "rng.python", "rng.numpy")
+REQUIRED_TENSORS = ("rng/torch", "rng/numpy")
+
+
+class CheckpointError(ValueError):
+    """A file ``load_checkpoint`` refuses; the message names the file and what is wrong with it."""
 
 
 # ---------------------------------------------------------------- atomic files
@@ -93,25 +110,24 @@ class Checkpoint:
     round: int
     model: TensorDict
     rule: dict[str, TensorDict]
-    rng: dict  # "python", "sampler": random.Random states; "numpy", "torch": see capture_rng
+    rng: dict  # "python": the random module's state; "numpy", "torch": see capture_rng
     empty_rounds: int
     config: str  # the resolved config (YAML) of the run that wrote it
     rows: list[dict]  # metrics rows 0..round
     clients: dict[str, dict[str, TensorDict]] = field(default_factory=dict)  # partition id -> kept state
 
 
-def capture_rng(sampler: random.Random) -> dict:
-    """The process's python, numpy and torch generator states and the node sampler's state."""
+def capture_rng() -> dict:
+    """The process's python, numpy and torch generator states."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "sampler": sampler.getstate(), "torch": torch.get_rng_state(),
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
 
 
-def restore_rng(rng: dict, sampler: random.Random) -> None:
+def restore_rng(rng: dict) -> None:
     """Inverse of ``capture_rng``."""
     random.setstate(rng["python"])
-    sampler.setstate(rng["sampler"])
     torch.set_rng_state(rng["torch"])
     n = rng["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
@@ -124,19 +140,50 @@ def _random_state(state: list) -> tuple:
     return version, tuple(internal), gauss
 
 
-def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
-    """Write ``ckpt`` to ``path`` atomically (module docstring: layout)."""
+def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names (sorted) of the floating-point tensors holding NaN or inf."""
+    return sorted(name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all())
+
+
+def describe_names(names: list[str]) -> str:
+    """The first five names, and how many more there are."""
+    return f"{names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _state_tensors(ckpt: Checkpoint) -> TensorDict:
+    """The model, rule and clients' kept state of ``ckpt`` under their checkpoint names."""
     tensors = {f"model/{n}": t for n, t in ckpt.model.items()}
     tensors.update({f"rule/{key}/{n}": t for key, arrays in ckpt.rule.items() for n, t in arrays.items()})
     tensors.update({f"client/{pid}/{key}/{n}": t for pid, kept in ckpt.clients.items()
                     for key, arrays in kept.items() for n, t in arrays.items()})
+    return tensors
+
+
+def checksum(tensors: TensorDict, metadata: str) -> str:
+    """SHA-256 (hex) over each tensor's name, dtype, shape and bytes, in name order, then ``metadata``.
+
+    Each tensor's bytes follow a JSON line describing it with their count, so two different sets of
+    tensors never feed the hash the same byte stream."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape), data.nbytes]).encode() + b"\n")
+        digest.update(data)
+    digest.update(metadata.encode())
+    return digest.hexdigest()
+
+
+def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` to ``path`` atomically (module docstring: layout)."""
+    tensors = _state_tensors(ckpt)
     numpy_rng = dict(ckpt.rng["numpy"])
     tensors["rng/torch"] = ckpt.rng["torch"]
     tensors["rng/numpy"] = numpy_rng.pop("keys")
     meta = {"round": ckpt.round, "empty_rounds": ckpt.empty_rounds, "config": ckpt.config,
-            "rows": ckpt.rows, "rng": {"python": ckpt.rng["python"], "sampler": ckpt.rng["sampler"],
-                                       "numpy": numpy_rng}}
-    save_tensors(path, tensors, {METADATA_KEY: json.dumps(meta)})
+            "rows": ckpt.rows, "rng": {"python": ckpt.rng["python"], "numpy": numpy_rng}}
+    text = json.dumps(meta)
+    save_tensors(path, tensors, {METADATA_KEY: text, CHECKSUM_KEY: checksum(tensors, text)})
 
 
 def _split(tensors: TensorDict, prefix: str) -> TensorDict:
@@ -152,20 +199,63 @@ def _nested(tensors: TensorDict) -> dict[str, TensorDict]:
     return out
 
 
+def _read(path: Path) -> tuple[TensorDict, dict[str, str]]:
+    """A safetensors file's tensors and metadata; CheckpointError when it is not a readable one."""
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated, or another format): "
+                              f"{err}") from err
+
+
+def _fedact_metadata(path: Path, tensors: TensorDict, metadata: dict[str, str]) -> dict:
+    """The checkpoint's "fedact" metadata, once the file is known to hold every required entry."""
+    if METADATA_KEY not in metadata:
+        raise CheckpointError(f"{path} is not a FedACT checkpoint (no {METADATA_KEY!r} metadata)")
+    try:
+        meta = json.loads(metadata[METADATA_KEY])
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a FedACT checkpoint ({METADATA_KEY!r} metadata is not a JSON "
+                              f"object)")
+    rng = meta.get("rng") if isinstance(meta.get("rng"), dict) else {}
+    missing = [key for key in REQUIRED_METADATA
+               if (rng if key.startswith("rng.") else meta).get(key.removeprefix("rng.")) is None]
+    missing += [name for name in REQUIRED_TENSORS if name not in tensors]
+    missing += [] if any(name.startswith("model/") for name in tensors) else ["model/"]
+    if missing:
+        raise CheckpointError(f"{path} is not a FedACT checkpoint (missing {missing})")
+    return meta
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Read a checkpoint written by ``save_checkpoint``."""
-    with safe_open(str(path), framework="pt") as f:
-        metadata = (f.metadata() or {}).get(METADATA_KEY)
-    if metadata is None:
-        raise ValueError(f"{path} is not a FedACT checkpoint (no {METADATA_KEY!r} metadata)")
-    meta = json.loads(metadata)
-    tensors = load_file(str(path))
+    """Read a checkpoint written by ``save_checkpoint``.
+
+    Raises ``CheckpointError``, naming the file and the fault, for a file that is empty, truncated
+    or not safetensors, that lacks the "fedact" metadata or an entry every checkpoint holds, or
+    whose checksum does not match its content, or whose model, rule or client state holds NaN or
+    inf (the checksum of a run saved after it diverged matches). A checkpoint without a checksum
+    (written by FedACT before checkpoints had one) loads unverified, its values still checked."""
+    path = Path(path)
+    tensors, metadata = _read(path)
+    meta = _fedact_metadata(path, tensors, metadata)
+    if CHECKSUM_KEY in metadata and checksum(tensors, metadata[METADATA_KEY]) != metadata[CHECKSUM_KEY]:
+        raise CheckpointError(f"{path} does not match its checksum ({CHECKSUM_KEY}): its tensors or metadata "
+                              f"changed after it was written (corrupted or edited)")
     clients = {pid: _nested(kept) for pid, kept in _nested(_split(tensors, "client/")).items()}
-    rng = {"python": _random_state(meta["rng"]["python"]), "sampler": _random_state(meta["rng"]["sampler"]),
-           "torch": tensors["rng/torch"], "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}
-    return Checkpoint(round=meta["round"], model=_split(tensors, "model/"),
+    rng = {"python": _random_state(meta["rng"]["python"]), "torch": tensors["rng/torch"],
+           "numpy": {**meta["rng"]["numpy"], "keys": tensors["rng/numpy"]}}
+    ckpt = Checkpoint(round=meta["round"], model=_split(tensors, "model/"),
                       rule=_nested(_split(tensors, "rule/")), rng=rng, empty_rounds=meta["empty_rounds"],
                       config=meta["config"], rows=meta["rows"], clients=clients)
+    if poisoned := non_finite(_state_tensors(ckpt)):
+        raise CheckpointError(f"{path} holds non-finite values (NaN or inf) in {describe_names(poisoned)}; "
+                              f"a run resumed from it would continue from a diverged or poisoned state")
+    return ckpt
 
 
 def checkpoint_path(run_dir: Path, server_round: int) -> Path:
@@ -242,10 +332,18 @@ class Checkpointer:
         return clients
 
     def write(self, ckpt: Checkpoint) -> Path:
-        """Save ``ckpt`` (with the clients' kept state) and remove the oldest beyond ``keep``."""
+        """Save ``ckpt`` (with the clients' kept state) and remove the oldest beyond ``keep``.
+
+        A ``ckpt`` whose state holds NaN or inf raises RuntimeError before anything is written or
+        removed: ``load_checkpoint`` would refuse it, and rotating it in would remove the last
+        checkpoints a run could be resumed from."""
         path = checkpoint_path(self.run_dir, ckpt.round)
-        path.parent.mkdir(parents=True, exist_ok=True)
         ckpt.clients = self.client_states()
+        if poisoned := non_finite(_state_tensors(ckpt)):
+            raise RuntimeError(f"Round {ckpt.round}'s state holds non-finite values (NaN or inf) in "
+                               f"{describe_names(poisoned)}: no checkpoint written; those in {path.parent} "
+                               f"are of earlier rounds")
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(path, ckpt)
         for old in list_checkpoints(self.run_dir)[:-self.keep]:
             old.unlink()
@@ -281,11 +379,16 @@ def restored_client_state(config: Mapping, partition_id: int) -> dict[str, Tenso
 
 
 def open_resume(cfg: Config) -> tuple[Path, Checkpoint] | None:
-    """(source, checkpoint) named by ``cfg.resume`` and checked against ``cfg``; None when not resuming."""
+    """(source, checkpoint) named by ``cfg.resume`` and checked against ``cfg``; None when not resuming.
+    A checkpoint ``load_checkpoint`` refuses is a ``ConfigError`` naming ``resume=`` and the file."""
     if cfg.resume is None:
         return None
     source = resolve_resume(cfg.resume)
-    ckpt = load_checkpoint(source)
+    try:
+        ckpt = load_checkpoint(source)
+    except CheckpointError as err:
+        raise ConfigError(f"Invalid config value resume={cfg.resume!r}: allowed a complete FedACT checkpoint "
+                          f"(or a run folder whose newest checkpoint is one); {err}") from err
     check_compatible(ckpt, cfg, source)
     return source, ckpt
 
@@ -301,13 +404,13 @@ def client_round_config(checkpointer: Checkpointer, resume: tuple[Path, Checkpoi
 def snapshot(strategy, server_round: int, rows: list[dict], cfg: Config) -> Checkpoint:
     """A ``Checkpoint`` of an ``AlgorithmStrategy`` after ``server_round`` (clients filled on write)."""
     return Checkpoint(round=server_round, model=dict(strategy.state), rule=strategy.rule.state_dict(),
-                      rng=capture_rng(strategy.rng), empty_rounds=strategy.empty_rounds,
+                      rng=capture_rng(), empty_rounds=strategy.empty_rounds,
                       config=to_yaml(cfg), rows=list(rows))
 
 
 def restore(strategy, ckpt: Checkpoint) -> TensorDict:
     """Put the checkpoint's rule state, RNG states and empty-round count back; return its model."""
     strategy.rule.load_state_dict(ckpt.rule)
-    restore_rng(ckpt.rng, strategy.rng)
+    restore_rng(ckpt.rng)
     strategy.empty_rounds = ckpt.empty_rounds
     return dict(ckpt.model)

@@ -6,7 +6,7 @@ Layout of ``<output_dir>/<run name>/``::
     metrics.jsonl    one JSON object per round (round 0 = the initial model)
     summary.json     final and best test accuracy (language tasks: perplexity or preference
                      accuracy), rounds, wall time
-    model.safetensors  the final global model state
+    model.safetensors  the final global model state (a model holding NaN/inf fails the run instead)
     checkpoints/     round-<r>.safetensors, the newest keep_checkpoints (fedact_app.checkpoint)
     tensorboard/     every numeric column of metrics.jsonl as TensorBoard scalars (when the
                      tensorboard package is installed and ``tensorboard: true``)
@@ -30,6 +30,7 @@ from flwr.common import log
 from safetensors.torch import save_file
 
 from fedact_app.algorithms import TensorDict
+from fedact_app.checkpoint import describe_names, non_finite
 from fedact_app.config import Config, to_yaml
 
 
@@ -162,7 +163,16 @@ class RunRecorder:
         log(INFO, "%s", _format_row(row, self.num_rounds, time.perf_counter() - self.started))
 
     def finish(self, state: TensorDict) -> dict:
-        """Write the final model and ``summary.json``; return the summary."""
+        """Write the final model and ``summary.json``; return the summary.
+
+        A ``state`` holding NaN or inf raises RuntimeError and writes neither file: the ServerApp
+        raising marks the Flower run failed, where it would otherwise end 'completed' with a
+        diverged or poisoned model."""
+        if poisoned := non_finite(state):
+            raise RuntimeError(f"The final global model holds non-finite values (NaN or inf) in "
+                               f"{describe_names(poisoned)}: the run diverged or a client's update poisoned "
+                               f"it. No model.safetensors or summary.json written to {self.run_dir} "
+                               f"(metrics.jsonl has every round)")
         save_file({name: t.contiguous() for name, t in state.items()}, str(self.run_dir / "model.safetensors"))
         evaluated = [r for r in self.rows if "test_accuracy" in r]
         summary = {

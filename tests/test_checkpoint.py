@@ -1,17 +1,20 @@
 """Checkpoints: atomic writes, rotation, round trips of everything a run needs to continue, the
 server rules' state, the clients' kept state and the resume checks."""
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate
-from fedact_app.checkpoint import (Checkpoint, Checkpointer, atomic_write, capture_rng, check_compatible,
-                                   client_round_config, list_checkpoints, load_checkpoint,
-                                   persist_client_state, resolve_resume, restore_rng,
+from fedact_app.checkpoint import (Checkpoint, CheckpointError, Checkpointer, atomic_write, capture_rng,
+                                   check_compatible, client_round_config, list_checkpoints, load_checkpoint,
+                                   open_resume, persist_client_state, resolve_resume, restore_rng,
                                    restored_client_state, save_checkpoint)
 from fedact_app.config import ConfigError, compose, to_yaml
 
@@ -24,7 +27,7 @@ def checkpoint(server_round=2, cfg=None, clients=None) -> Checkpoint:
         round=server_round, model={n: t + server_round for n, t in X.items()},
         rule={"v_bar": {"w": torch.full((2, 3), 0.5), "b": torch.zeros(2)},
               "delta_g": {"w": -torch.ones(2, 3), "b": torch.tensor([0.25, 3.0])}},
-        rng=capture_rng(random.Random(7)), empty_rounds=1, config=to_yaml(cfg or compose()),
+        rng=capture_rng(), empty_rounds=1, config=to_yaml(cfg or compose()),
         rows=[{"round": 0, "test_accuracy": 0.1}, {"round": 1, "train_loss": float("nan")}],
         clients=clients or {})
 
@@ -50,23 +53,46 @@ def test_checkpoint_round_trip(tmp_path):
     assert_same_arrays(loaded.model, saved.model)
     assert_same_arrays(loaded.rule, saved.rule)
     assert_same_arrays(loaded.clients, saved.clients)
-    assert loaded.rng["sampler"] == saved.rng["sampler"] and loaded.rng["python"] == saved.rng["python"]
+    assert loaded.rng["python"] == saved.rng["python"]
+
+
+def rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
+    """Write ``path`` again, its "fedact" metadata and tensors changed by the edit functions, as
+    another writer (an older FedACT, another tool) would have written it."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["fedact"])
+    tensors = load_file(str(path))
+    save_file((edit_tensors or (lambda t: t))(tensors),
+              str(path), metadata={"fedact": json.dumps((edit_meta or (lambda m: m))(meta))})
+
+
+def test_checkpoints_hold_no_node_sampler_state_and_older_ones_with_one_still_load(tmp_path):
+    """Node sampling is derived from (seed, round), so nothing of it is saved; a checkpoint of an
+    older FedACT holds the sampler's random.Random state, which loading ignores."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, checkpoint())
+    with safe_open(str(path), framework="pt") as f:
+        assert set(json.loads(f.metadata()["fedact"])["rng"]) == {"python", "numpy"}
+    assert set(load_checkpoint(path).rng) == {"python", "numpy", "torch"}
+
+    rewrite(path, edit_meta=lambda m: {**m, "rng": {**m["rng"], "sampler": m["rng"]["python"]}})
+    older = load_checkpoint(path)
+    assert set(older.rng) == {"python", "numpy", "torch"} and older.round == 2
+    restore_rng(older.rng)
 
 
 def test_rng_states_restore_the_same_draws(tmp_path):
-    sampler = random.Random(3)
-    sampler.random()
     torch.manual_seed(1), np.random.seed(2), random.seed(4)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's legacy state
     save_checkpoint(tmp_path / "c.safetensors",
-                    Checkpoint(1, dict(X), {}, capture_rng(sampler), 0, to_yaml(compose()), []))
+                    Checkpoint(1, dict(X), {}, capture_rng(), 0, to_yaml(compose()), []))
 
     def draws():
-        return (sampler.sample(range(100), 5), random.random(), np.random.standard_normal(3).tolist(),
+        return (random.sample(range(100), 5), random.random(), np.random.standard_normal(3).tolist(),
                 torch.rand(3).tolist())
 
     first = draws()
-    restore_rng(load_checkpoint(tmp_path / "c.safetensors").rng, sampler)
+    restore_rng(load_checkpoint(tmp_path / "c.safetensors").rng)
     assert draws() == first
 
 
@@ -174,3 +200,117 @@ def test_resume_must_match_the_checkpointed_run(tmp_path):
         resolve_resume(str(tmp_path / "nope.safetensors"))
     with pytest.raises(ConfigError, match="holds none"):
         resolve_resume(str(tmp_path))
+
+
+def data_offset(path: Path, name: str) -> int:
+    """Where tensor ``name``'s bytes start in the safetensors file ``path`` (8-byte header length,
+    JSON header, then the data, each tensor at its ``data_offsets``)."""
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    return 8 + header_len + json.loads(raw[8:8 + header_len])[name]["data_offsets"][0]
+
+
+def refused(path: Path, match: str) -> None:
+    """load_checkpoint refuses ``path`` naming it and ``match``; so does a run resuming from it."""
+    with pytest.raises(CheckpointError, match=match) as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+    with pytest.raises(ConfigError, match=match) as err:
+        open_resume(compose([f"resume={path}", "num_rounds=4"]))
+    assert f"resume={str(path)!r}" in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("damage, match", [
+    pytest.param(lambda raw: b"", "is empty", id="empty"),
+    pytest.param(lambda raw: raw[: len(raw) // 2], "not a readable safetensors file",
+                 id="half"),
+    pytest.param(lambda raw: raw[:-1], "not a readable safetensors file.*not fully covered", id="last-byte-cut"),
+    pytest.param(lambda raw: b"round 2, model w = [1, 2, 3]\n" * 4, "not a readable safetensors file",
+                 id="text"),
+])
+def test_an_empty_truncated_or_foreign_file_is_refused_naming_it(tmp_path, damage, match):
+    path = tmp_path / "round-00002.safetensors"
+    save_checkpoint(path, checkpoint())
+    path.write_bytes(damage(path.read_bytes()))
+    refused(path, match)
+
+
+def test_a_safetensors_file_that_is_not_a_fedact_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "model.safetensors"  # e.g. a run's final model
+    save_file({n: t.contiguous() for n, t in X.items()}, str(path))
+    refused(path, "not a FedACT checkpoint \\(no 'fedact' metadata\\)")
+    save_file(dict(X), str(path), metadata={"fedact": "{not json"})
+    refused(path, "not a FedACT checkpoint \\('fedact' metadata is not a JSON object")
+
+
+@pytest.mark.parametrize("edit_meta, edit_tensors, missing", [
+    pytest.param(lambda m: {k: v for k, v in m.items() if k != "rows"}, None, "rows", id="rows"),
+    pytest.param(lambda m: {**m, "rng": {"numpy": m["rng"]["numpy"]}}, None, "rng.python", id="rng.python"),
+    pytest.param(None, lambda t: {n: v for n, v in t.items() if n != "rng/torch"}, "rng/torch", id="rng/torch"),
+    pytest.param(None, lambda t: {n: v for n, v in t.items() if not n.startswith("model/")}, "model/",
+                 id="model"),
+])
+def test_a_checkpoint_missing_an_entry_is_refused_naming_it(tmp_path, edit_meta, edit_tensors, missing):
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, checkpoint())
+    rewrite(path, edit_meta, edit_tensors)
+    refused(path, f"not a FedACT checkpoint \\(missing .*'{missing}'")
+
+
+def test_a_checkpoint_altered_after_it_was_written_fails_its_checksum(tmp_path):
+    """Bytes of the model overwritten in place (the file stays a valid safetensors file with the
+    same layout), or the metadata's round changed: the checksum no longer matches."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, checkpoint())
+    raw = bytearray(path.read_bytes())
+    at = data_offset(path, "model/w")
+    raw[at:at + 4] = torch.tensor([1e6]).numpy().tobytes()
+    path.write_bytes(bytes(raw))
+    assert load_file(str(path))["model/w"][0, 0] == 1e6  # still readable: only the checksum tells
+    refused(path, "does not match its checksum")
+
+    save_checkpoint(path, checkpoint())
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b'{\\"round\\": 2,', b'{\\"round\\": 3,'))  # JSON inside the header's JSON
+    assert path.read_bytes() != raw and load_file(str(path))  # same length: still a valid safetensors file
+    refused(path, "does not match its checksum")
+
+
+def test_a_checkpoint_without_a_checksum_from_an_older_fedact_still_loads(tmp_path):
+    path = tmp_path / "c.safetensors"
+    saved = checkpoint()
+    save_checkpoint(path, saved)
+    rewrite(path)  # the "fedact" metadata only, as FedACT wrote it before checkpoints had a checksum
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.metadata()) == {"fedact"}
+    assert_same_arrays(load_checkpoint(path).model, saved.model)
+
+
+@pytest.mark.parametrize("part, value", [("model", float("nan")), ("rule", float("inf")),
+                                         ("model", -float("inf"))])
+@pytest.mark.parametrize("older", [False, True])
+def test_a_checkpoint_holding_non_finite_state_is_refused_naming_the_tensors(tmp_path, part, value, older):
+    """A model or rule state with NaN/inf would resume a poisoned run. Its checksum matches (it was
+    saved that way), so the values themselves are checked, in older checkpoints (no checksum) too."""
+    path = tmp_path / "c.safetensors"
+    ckpt = checkpoint()
+    if part == "model":
+        ckpt.model["w"] = torch.tensor([[0.0, value, 1.0], [2.0, 3.0, 4.0]])
+    else:
+        ckpt.rule["v_bar"]["b"] = torch.tensor([value, 0.0])
+    save_checkpoint(path, ckpt)
+    if older:
+        rewrite(path)
+    name = "model/w" if part == "model" else "rule/v_bar/b"
+    refused(path, f"non-finite values \\(NaN or inf\\) in \\[{name!r}\\]")
+
+
+def test_a_state_holding_non_finite_values_is_not_checkpointed_and_the_older_checkpoints_stay(tmp_path):
+    checkpointer = Checkpointer(tmp_path, compose(["keep_checkpoints=1", "checkpoint_every=1"]))
+    good = checkpointer.write(checkpoint(1))
+    diverged = checkpoint(2)
+    diverged.rule["delta_g"]["w"] = torch.full((2, 3), float("nan"))
+    with pytest.raises(RuntimeError, match=r"Round 2's state holds non-finite values \(NaN or inf\) in "
+                                           r"\['rule/delta_g/w'\]: no checkpoint written"):
+        checkpointer.write(diverged)
+    assert list_checkpoints(tmp_path) == [good]

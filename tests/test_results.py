@@ -82,3 +82,17 @@ def test_summary_of_a_clean_run_warns_of_nothing(tmp_path, caplog):
         summary = recorder.finish({"w": torch.zeros(2)})
     assert summary["replies_accepted"] == 4 and summary["replies_rejected"] == 0
     assert "Not every sampled client" not in caplog.text
+
+
+def test_a_final_model_holding_non_finite_values_fails_and_writes_no_model_or_summary(tmp_path):
+    """A diverged or poisoned run must not end 'completed' with NaN in model.safetensors: finish
+    raises (the ServerApp raising fails the Flower run) before writing either file."""
+    recorder = RunRecorder(tmp_path, compose(["num_rounds=2", "tensorboard=false"]))
+    for row in ROWS:
+        recorder.record_round(row)
+    final = {"w": torch.tensor([[0.0, float("nan")], [1.0, float("inf")]]), "b": torch.ones(2),
+             "bn.num_batches_tracked": torch.tensor(3)}
+    with pytest.raises(RuntimeError, match=r"final global model holds non-finite values \(NaN or inf\) "
+                                           r"in \['w'\]"):
+        recorder.finish(final)
+    assert not (tmp_path / "model.safetensors").exists() and not (tmp_path / "summary.json").exists()
