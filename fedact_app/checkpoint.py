@@ -212,7 +212,7 @@ def _read(path: Path) -> tuple[TensorDict, dict[str, str]]:
 
 
 def _fedact_metadata(path: Path, tensors: TensorDict, metadata: dict[str, str]) -> dict:
-    """The checkpoint's "fedact" metadata, once the file is known to hold every required entry."""
+    """The checkpoint's "fedact" metadata; CheckpointError unless it and every required entry are there."""
     if METADATA_KEY not in metadata:
         raise CheckpointError(f"{path} is not a FedACT checkpoint (no {METADATA_KEY!r} metadata)")
     try:
@@ -226,7 +226,8 @@ def _fedact_metadata(path: Path, tensors: TensorDict, metadata: dict[str, str]) 
     missing = [key for key in REQUIRED_METADATA
                if (rng if key.startswith("rng.") else meta).get(key.removeprefix("rng.")) is None]
     missing += [name for name in REQUIRED_TENSORS if name not in tensors]
-    missing += [] if any(name.startswith("model/") for name in tensors) else ["model/"]
+    if not any(name.startswith("model/") for name in tensors):
+        missing.append("model/")
     if missing:
         raise CheckpointError(f"{path} is not a FedACT checkpoint (missing {missing})")
     return meta
