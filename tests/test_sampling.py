@@ -161,3 +161,13 @@ def test_sample_clients_draws_a_subset_of_the_sorted_keys_by_round():
     assert draws == [sample_clients(keys, 4, seed=1, server_round=r, purpose="train") for r in range(1, 6)]
     assert draws != [sample_clients(keys, 4, seed=1, server_round=r, purpose="evaluate") for r in range(1, 6)]
     assert (sample_count(20, 0.25, 2), sample_count(20, 0.05, 2), sample_count(3, 1.0, 5)) == (5, 2, 3)
+
+
+def test_a_resumed_run_samples_what_the_straight_run_samples():
+    """Round r's sample depends on no earlier round: a strategy that starts at round 3 (a resume,
+    which restores no sampler state) draws what one that ran rounds 1-2 draws."""
+    straight = partitions_sampled(strategy(), simulation_grid(20, 0))
+    resumed = strategy()
+    grid = simulation_grid(20, 7)
+    assert [[grid.node_configs[n]["partition-id"] for n in resumed.sample_nodes(grid, 0.25, 2, r, "train")]
+            for r in ROUNDS[2:]] == straight[2:]
