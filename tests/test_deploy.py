@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -157,6 +158,32 @@ def test_deploy_guide_uses_only_flags_flower_has():
         assert flags <= _flower_flags(name), f"{name}: unknown {sorted(flags - _flower_flags(name))}"
 
 
+def _prefix_covered(path: str, prefixes: list[str]) -> bool:
+    return any(path.startswith(prefix) for prefix in prefixes)
+
+
+def test_deploy_guide_proxy_forwards_the_fleet_api_and_nothing_else():
+    """The nginx block of docs/DEPLOY.md (step 2b) forwards every path the installed Flower's
+    SuperNode calls, none of the SuperLink's Control and Runtime routes, and refuses the rest."""
+    import inspect
+
+    from flwr.supercore.routers.runtime.responses import router as responses
+    from flwr.supercore.routers.runtime.router import router as runtime
+    from flwr.superlink.routers.control.router import router as control
+    from flwr.superlink.routers.fleet.router import router as fleet
+    from flwr.supernode import fleet_http_client
+
+    (block,) = re.findall(r"```nginx\n(.*?)```", (ROOT / "docs" / "DEPLOY.md").read_text(), re.S)
+    locations = re.findall(r"location\s+(\S+)\s*\{([^}]*)\}", block)
+    forwarded = [prefix for prefix, body in locations if "proxy_pass" in body]
+    assert forwarded and ("/", " return 403; ") in locations
+    node_paths = re.findall(r'path="(/[^"]+)"', inspect.getsource(fleet_http_client))
+    assert node_paths and all(_prefix_covered(p, forwarded) for p in node_paths), (node_paths, forwarded)
+    assert all(_prefix_covered(r.path, forwarded) for r in fleet.routes)
+    private = [r.path for router in (control, runtime, responses) for r in router.routes]
+    assert private and [p for p in private if _prefix_covered(p, forwarded)] == []
+
+
 def test_config_toml_example_is_a_valid_flwr_config(tmp_path):
     try:
         import tomllib
@@ -205,6 +232,10 @@ class Deployment:
     status: dict = field(default_factory=dict)
     plain_http_error: str = ""
     wrong_ca_error: str = ""
+    wrong_ca_cli: dict = field(default_factory=dict)  # `flwr supernode ls` trusting another CA
+    wrong_ca_supernode: str = ""  # output of a SuperNode trusting another CA
+    ss_listening: str = ""  # `ss -Hltnp`, taken with `status`
+    ca_only_register: dict = field(default_factory=dict)  # register with nothing but ca.crt
     pids: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)  # wall time of each phase, for the curious
 
@@ -214,7 +245,7 @@ def deployment(tmp_path_factory):
     base = tmp_path_factory.mktemp("deploy")
     env = {**ENV, "FLWR_HOME": str(base / "unused-flwr-home")}  # never the user's ~/.flwr
     dep = Deployment(cluster=None, out=base / "outputs")
-    intruder = None
+    intruder = wrong_ca_node = None
     t0 = time.monotonic()
     try:
         dep.cluster = cluster = lc.up(base / "cluster", nodes=2, env=env, cwd=base, timeout=100, quiet=True)
@@ -232,6 +263,20 @@ def deployment(tmp_path_factory):
                 setattr(dep, attr, "")
             except (urllib.error.URLError, OSError, ssl.SSLError) as err:
                 setattr(dep, attr, f"{type(err).__name__}: {err}")
+        # What `flwr` and a SuperNode print when they trust another CA (docs/DEPLOY.md's table).
+        lc._write_connection(base / "wrong-ca-home", cluster.port, other / "ca.crt")
+        wrong = lc._flwr(base / "wrong-ca-home", ["supernode", "ls", lc.CONNECTION, "--format", "json"],
+                         timeout=60, env=env)
+        dep.wrong_ca_cli = {**lc._json_payload(wrong.stdout), "rc": wrong.returncode}
+        cmd = list(cluster.nodes[0].cmd)
+        cmd[cmd.index("--root-certificates") + 1] = str(other / "ca.crt")
+        cmd[cmd.index("--port") + 1] = str(port := lc.free_port(lc.HOST))
+        (base / "wrong-ca-node").mkdir()
+        wrong_ca_node = lc._spawn("wrong-ca-node", cmd, base / "wrong-ca-node.log", port,
+                                  {**os.environ, **env, "FLWR_HOME": str(base / "wrong-ca-node")},
+                                  base / "wrong-ca-node")
+        _wait_exit(wrong_ca_node, timeout=60)
+        dep.wrong_ca_supernode = lc.tail(wrong_ca_node.log, 60)
 
         dep.seconds["up"] = time.monotonic() - t0
         dep.run_id = lc.submit(cluster, ROOT, overrides=RUN.format(out=dep.out))
@@ -262,11 +307,26 @@ def deployment(tmp_path_factory):
                                 check=False, env={**os.environ, **env})
         dep.status = {**json.loads(status.stdout or "{}"), "rc": status.returncode,
                       "stderr": status.stderr[-3000:]}  # shown when the status check fails
+        if shutil.which("ss"):
+            dep.ss_listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True,
+                                              timeout=30, check=False).stdout
+
+        # Whoever reaches the SuperLink's port with the public ca.crt (no key, no account)
+        # registers a SuperNode key: the Control API shares the port with the Fleet API.
+        lc._write_connection(base / "ca-only-home", cluster.port, cluster.root / "certs" / "ca.crt")
+        assert _script("make_node_keys.sh", "-o", str(base / "outsider-keys"), "outsider").returncode == 0
+        outsider = lc._flwr(base / "ca-only-home", ["supernode", "register",
+                            str(base / "outsider-keys" / "outsider.pub"), lc.CONNECTION, "--format", "json"],
+                            timeout=60, env=env)
+        dep.ca_only_register = {**lc._json_payload(outsider.stdout), "rc": outsider.returncode}
+        if dep.ca_only_register.get("node-id") is not None:
+            cluster.cli("supernode", "unregister", str(dep.ca_only_register["node-id"]), cluster.connection)
         print(f"\ndeployment phases (s since start): { {k: round(v, 1) for k, v in dep.seconds.items()} }")
         yield dep
     finally:
-        if intruder is not None and intruder.alive():
-            lc._killpg(intruder.pid, 9)
+        for stray in (intruder, wrong_ca_node):
+            if stray is not None and stray.alive():
+                lc._killpg(stray.pid, 9)
         if dep.cluster is not None:
             dep.pids = lc.down(dep.cluster, quiet=True)
 
@@ -316,6 +376,69 @@ def test_superlink_refuses_plain_http_and_foreign_certificates(deployment):
     assert deployment.plain_http_error, "the SuperLink answered plain HTTP"
     assert "CERTIFICATE_VERIFY_FAILED" in deployment.wrong_ca_error or "certificate" in \
         deployment.wrong_ca_error.lower(), deployment.wrong_ca_error
+
+
+def test_every_process_listens_only_on_its_own_loopback_port(deployment):
+    """The SuperLink's one socket carries its Control, Fleet and Runtime APIs: it is bound to
+    127.0.0.1 and there is no other (`local_cluster.py status`, cross-checked with `ss`)."""
+    dep = deployment
+    procs = dep.status["processes"]
+    assert {p["name"]: p["listening"] for p in procs} == \
+        {p["name"]: [f"127.0.0.1:{p['port']}"] for p in procs}, dep.status
+    assert procs[0]["name"] == "superlink" and procs[0]["port"] == dep.cluster.port
+    if dep.ss_listening:  # the kernel's view, independent of local_cluster's reading of /proc
+        link = [line.split()[3] for line in dep.ss_listening.splitlines()
+                if f"pid={dep.cluster.superlink.pid}," in line]
+        assert link == [f"127.0.0.1:{dep.cluster.port}"], dep.ss_listening
+
+
+def test_control_api_is_on_the_fleet_port_and_open_to_anyone_with_the_ca_certificate(deployment):
+    """Flower 1.41 OSS, pinned so that docs/DEPLOY.md's Security section is revisited when it
+    changes: `flwr supernode register` with nothing but the public ca.crt, on the port the
+    SuperNodes use, succeeds. Only the bind address (and a proxy or firewall) keeps it private."""
+    dep = deployment
+    assert {n.cmd[n.cmd.index("--superlink") + 1] for n in dep.cluster.nodes} == \
+        {f"127.0.0.1:{dep.cluster.port}"}
+    assert dep.ca_only_register.get("success") is True, dep.ca_only_register
+
+
+def test_up_refuses_a_superlink_listening_anywhere_else(tmp_path, monkeypatch):
+    """A second listener (e.g. an older Flower's gRPC Control API on 0.0.0.0:9093) stops `up`,
+    and what it started is stopped."""
+    real = lc.listening
+    monkeypatch.setattr(lc, "listening", lambda pids: sorted([*real(pids), "0.0.0.0:9093"]))
+    env = {**ENV, "FLWR_HOME": str(tmp_path / "unused-flwr-home")}
+    with pytest.raises(lc.ClusterError, match=r"superlink .* listens on .*0\.0\.0\.0:9093") as err:
+        lc.up(tmp_path / "cluster", nodes=1, env=env, cwd=tmp_path, timeout=60, quiet=True)
+    pid = int(re.search(r"pid (\d+)", str(err.value)).group(1))
+    assert lc._start_time(pid) is None  # stopped
+    assert not (tmp_path / "cluster" / "cluster.json").exists()
+
+
+def test_listening_reads_the_sockets_a_process_accepts_on():
+    with socket.socket() as server, socket.socket() as bound_only:
+        server.bind(("127.0.0.1", 0))
+        bound_only.bind(("127.0.0.1", 0))
+        server.listen()
+        with socket.create_connection(server.getsockname()):
+            found = lc.listening([os.getpid()])
+        assert f"127.0.0.1:{server.getsockname()[1]}" in found
+        assert f"127.0.0.1:{bound_only.getsockname()[1]}" not in found
+    assert lc.listening([2**22 + 12345]) == []  # no such process
+
+
+def test_troubleshooting_quotes_what_flwr_and_a_supernode_print_for_a_foreign_ca(deployment):
+    dep = deployment
+    table = (ROOT / "docs" / "DEPLOY.md").read_text().split("## Troubleshooting", 1)[1]
+    assert dep.wrong_ca_cli.get("success") is False, dep.wrong_ca_cli
+    first_sentence = dep.wrong_ca_cli["error-message"].strip().splitlines()[-1].split(". ")[0]
+    assert "Connection to the SuperLink" in first_sentence, dep.wrong_ca_cli  # not the progress lines
+    assert f"`flwr`: `{first_sentence}." in table
+    assert "CERTIFICATE_VERIFY_FAILED] certificate verify failed" in dep.wrong_ca_supernode, \
+        dep.wrong_ca_supernode[-3000:]
+    assert "SSL/TLS handshake error detected." in dep.wrong_ca_supernode
+    assert "SuperNode: `SSL/TLS handshake error detected.`" in table
+    assert "`[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed`" in table
 
 
 def test_node_config_mismatch_is_reported_in_the_run_log_and_fails_the_run(deployment):

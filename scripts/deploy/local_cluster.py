@@ -26,7 +26,14 @@ Everything lives in one folder (``--dir``, default ``.cluster``)::
 
 ``down`` signals only the processes recorded in cluster.json (checked by start time and command
 line, so a reused pid is never hit) and their descendants: SIGTERM, then SIGKILL after a grace
-period. ``up`` stops what it started when anything fails. Only 127.0.0.1 is ever used.
+period. ``up`` stops what it started when anything fails.
+
+Only 127.0.0.1 is ever used, and ``up`` checks it: Flower 1.41's SuperLink serves its Control API
+(register SuperNodes, submit runs; not authenticated without Flower's enterprise account login),
+Fleet API and Runtime API on one socket, so whoever reaches that socket can do all of it.
+``up`` refuses a SuperLink (or SuperNode) that listens anywhere but its own 127.0.0.1 port, and
+``status`` lists what each process listens on. docs/DEPLOY.md ("Security") has the multi-machine
+set-up that keeps the Control API off the network.
 
 Node config: ``--node-config-template`` (default ``partition-id={i} num-partitions={n}``) is
 formatted per node with ``{i}`` (node index) and ``{n}`` (number of nodes); ``--node-config
@@ -42,13 +49,16 @@ import os
 import re
 import shutil
 import signal
+import socket
 import ssl
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +175,7 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
 ) -> Cluster:
     """Start a SuperLink (TLS, SuperNode auth) and ``nodes`` registered SuperNodes; wait for them.
 
+    Each process must listen on its own 127.0.0.1 port and nowhere else (see ``check_listening``).
     ``cwd`` is the SuperLink's working directory (the app's relative paths resolve against it;
     default: the caller's). ``env`` is added to every process's environment. Raises ClusterError
     (after stopping whatever it started) when something does not come up within ``timeout``.
@@ -216,6 +227,7 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
         try:
             _write_connection(cluster.flwr_home, link_port, certs / "ca.crt")
             _wait_superlink(cluster, certs / "ca.crt", deadline)
+            check_listening(link)
             break
         except ClusterError:
             down(cluster, quiet=True)
@@ -243,6 +255,8 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
             cluster.nodes.append(node)
             cluster.save()
         _wait_nodes_online(cluster, deadline, envs)
+        for node in cluster.nodes:
+            check_listening(node)
     except BaseException:
         down(cluster, quiet=True)
         raise
@@ -285,6 +299,55 @@ def start_supernode(cluster: Cluster, name: str, private_key: Path | None, node_
     proc = _spawn(name, cmd, cluster.root / "logs" / f"{name}.log", port, env, cwd)
     proc.node_config, proc.key, proc.cwd = node_config, str(private_key or ""), str(cwd)
     return proc
+
+
+def listening(pids: Iterable[int]) -> list[str]:
+    """The TCP addresses (``host:port``, sorted) on which the processes ``pids`` accept connections.
+
+    Linux: each process's socket inodes (``/proc/<pid>/fd``) matched against the LISTEN entries
+    of ``/proc/net/tcp`` and ``tcp6``. Processes that are gone or not ours count as listening
+    nowhere; [] without /proc.
+    """
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in _read(f"/proc/net/{table}").splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                words = [int(address[i:i + 8], 16) for i in range(0, len(address), 8)]
+                host = socket.inet_ntop(family, struct.pack(f"={len(words)}I", *words))
+                host = f"[{host}]" if family == socket.AF_INET6 else host
+                found.add(f"{host}:{int(port, 16)}")
+    return sorted(found)
+
+
+def check_listening(proc: Proc) -> None:
+    """Raise ClusterError unless ``proc`` and its descendants listen on ``HOST:proc.port`` only.
+
+    For the SuperLink that socket carries the Control, Fleet and Runtime APIs; any other listener
+    (a Flower version with separate gRPC Control/Fleet ports, which listened on 0.0.0.0 by
+    default, or ``FLWR_INTERNAL_GRPC_*`` in the environment) may be reachable from other machines.
+    Not checked without /proc.
+    """
+    if not Path("/proc/net/tcp").is_file():
+        return
+    found = listening({proc.pid, *descendants(proc.pid)})
+    if found != [f"{HOST}:{proc.port}"]:
+        raise ClusterError(f"{proc.name} (pid {proc.pid}) listens on {found or 'nothing'}; "
+                           f"expected {HOST}:{proc.port} only:\n{tail(proc.log)}")
 
 
 def _wait_superlink(cluster: Cluster, ca_file: Path, deadline: float) -> None:
@@ -359,8 +422,10 @@ def list_runs(cluster: Cluster, run_id: int | str | None = None) -> list[dict[st
 
 
 def status(cluster: Cluster) -> dict[str, Any]:
-    """Processes (alive or not), SuperNodes as the SuperLink sees them, and runs."""
+    """Processes (alive or not, and the addresses each one's process tree listens on),
+    SuperNodes as the SuperLink sees them, and runs."""
     procs = [{"name": p.name, "pid": p.pid, "alive": p.alive(), "port": p.port,
+              "listening": listening({p.pid, *descendants(p.pid)}) if p.alive() else [],
               "node-id": p.node_id, "node-config": p.node_config} for p in cluster.procs]
     link_alive = cluster.superlink.alive()
     return {
@@ -712,7 +777,7 @@ def _print_status(info: dict[str, Any]) -> None:
     for p in info["processes"]:
         extra = f" node-id {p['node-id']} [{p['node-config']}]" if p["node-id"] else ""
         print(f"  {p['name']:<10} pid {p['pid']:<8} {'running' if p['alive'] else 'NOT RUNNING':<12}"
-              f" port {p['port']}{extra}")
+              f" listening on {', '.join(p['listening']) or '-'}{extra}")
     for node in info["nodes"]:
         print(f"  node {node.get('node-id')}: {node.get('status')}")
     for run in info["runs"]:
