@@ -38,19 +38,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from logging import INFO, WARNING
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
+from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
+from fedact_app.replies import ReplyError, RoundTerms, all_finite, count, decode_update, number, record_bytes
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
                                  sample_clients, sample_count, unidentified_key)
-from fedact_app.diagnostics import CLIENT_METRICS, direction_consistency, global_norm, mean_client_statistics
 from fedact_app.wire import array_record, to_wire
 
 
@@ -82,119 +81,6 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None) -> 
         time.sleep(min(wait, left))
         wait = min(1.5 * wait, REPLY_POLL[1])
     return replies
-
-
-class ReplyError(ValueError):
-    """A client reply that cannot be aggregated."""
-
-
-def record_bytes(content: RecordDict) -> int:
-    """Bytes of the arrays in a record dict (what dominates the wire)."""
-    return sum(record.count_bytes() for record in content.array_records.values())
-
-
-@dataclass(frozen=True)
-class RoundTerms:
-    """What the server itself set for a round, which a reply must agree with."""
-
-    local_steps: int  # K
-    lr: float  # the round's learning rate eta_r (constant within the round)
-    max_examples: int | None = None  # K x batch_size: the most examples K steps can see
-
-    @property
-    def lr_sum(self) -> float:
-        """sum_k eta_{i,k} = K eta_r, as the client computes it."""
-        return self.lr * self.local_steps
-
-
-def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[str],
-                  trainable: Sequence[str], nonnegative: Sequence[str] = (),
-                  max_update_norm: float | None = None, terms: RoundTerms | None = None) -> ClientUpdate:
-    """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state.
-
-    ``nonnegative``: reply arrays that must hold no negative value (second moments).
-    ``max_update_norm``: when set, the delta's global L2 norm over the trainable parameters,
-    sqrt(sum_p ||Delta_p||^2), must not exceed it (the reply is rejected, not clipped).
-    ``terms``: the round's own K, learning rate and example bound. With them, ``num-steps`` must
-    be K, ``lr-sum`` K eta_r (to 1e-9 relative) and ``num-examples`` at most K x batch_size, and
-    the update carries the server's K eta_r, not the reply's: Delta_G divides by it.
-    Every metric must be a finite number (``train-loss`` included); the client statistics lie
-    in [0, 1] and ``train-seconds`` is >= 0.
-    """
-    for key in ("delta", "metrics", *reply_keys):
-        if key not in content:
-            raise ReplyError(f"missing record {key!r}")
-    metrics = content["metrics"]
-    num_steps = _count(metrics, "num-steps")
-    num_examples = _count(metrics, "num-examples")
-    lr_sum = _number(metrics, "lr-sum")
-    if not lr_sum > 0:
-        raise ReplyError(f"metric 'lr-sum' must be > 0, got {lr_sum!r}")
-    _number(metrics, "train-loss")
-    if "train-seconds" in metrics and _number(metrics, "train-seconds") < 0:
-        raise ReplyError(f"metric 'train-seconds' must be >= 0, got {metrics['train-seconds']!r}")
-    for key in CLIENT_METRICS:
-        if key in metrics and not 0 <= _number(metrics, key) <= 1:
-            raise ReplyError(f"metric {key!r} must lie in [0, 1], got {metrics[key]!r}")
-    if terms is not None:
-        if num_steps != terms.local_steps:
-            raise ReplyError(f"metric 'num-steps' {num_steps} differs from the round's local_steps={terms.local_steps}")
-        if not math.isclose(lr_sum, terms.lr_sum, rel_tol=1e-9):
-            raise ReplyError(f"metric 'lr-sum' {lr_sum!r} differs from the round's K x lr = {terms.lr_sum!r}")
-        if terms.max_examples is not None and num_examples > terms.max_examples:
-            raise ReplyError(f"metric 'num-examples' {num_examples} exceeds local_steps x batch_size = "
-                             f"{terms.max_examples}")
-        lr_sum = terms.lr_sum
-    delta = content["delta"].to_torch_state_dict()
-    _check_arrays("delta", delta, {name: state[name] for name in state})
-    arrays = {}
-    for key in reply_keys:
-        arrays[key] = content[key].to_torch_state_dict()
-        _check_arrays(key, arrays[key], {name: state[name] for name in trainable})
-        if key in nonnegative and (negative := [n for n, t in arrays[key].items()
-                                                if t.numel() and float(t.min()) < 0]):
-            raise ReplyError(f"{key!r} has negative values (in {negative[:3]}); it must be >= 0")
-    if max_update_norm:
-        norm = global_norm({name: delta[name] for name in trainable})
-        if norm > max_update_norm:
-            raise ReplyError(f"update norm {norm:.4g} exceeds max_update_norm={max_update_norm:g}")
-    return ClientUpdate(delta=delta, num_steps=num_steps, lr_sum=lr_sum, num_examples=num_examples,
-                        arrays=arrays)
-
-
-def _number(metrics: MetricRecord, key: str) -> float:
-    """``metrics[key]`` as a finite float; ReplyError when it is missing, not a number or not finite."""
-    value = metrics.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ReplyError(f"metric {key!r} missing or not a finite number: {value!r}")
-    return float(value)
-
-
-def _count(metrics: MetricRecord, key: str, minimum: int = 1) -> int:
-    """``metrics[key]`` as an integer >= ``minimum`` (a float with an integer value is accepted)."""
-    value = _number(metrics, key)
-    if value < minimum or value != int(value):
-        raise ReplyError(f"metric {key!r} must be an integer >= {minimum}, got {metrics[key]!r}")
-    return int(value)
-
-
-def _check_arrays(key: str, arrays: TensorDict, expected: TensorDict) -> None:
-    if arrays.keys() != expected.keys():
-        missing, extra = expected.keys() - arrays.keys(), arrays.keys() - expected.keys()
-        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
-    for name, tensor in arrays.items():
-        if tensor.shape != expected[name].shape or tensor.dtype != expected[name].dtype:
-            raise ReplyError(f"{key!r}[{name!r}]: {tuple(tensor.shape)} {tensor.dtype}, expected "
-                             f"{tuple(expected[name].shape)} {expected[name].dtype}")
-        if tensor.is_floating_point() and not all_finite(tensor):
-            raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether no entry is inf or NaN. The sum is inf or NaN when an entry is (IEEE addition never
-    turns them back into a finite number), so one reduction without a temporary decides; only a
-    sum that is not finite (such an entry, or an overflow of finite ones) is checked entry by entry."""
-    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def warn_shared_partitions(server_round: int, order: Sequence[tuple[float, int]]) -> None:
@@ -480,8 +366,8 @@ class AlgorithmStrategy(Strategy):
                 continue
             metrics = msg.content["metrics"]
             try:
-                rows.append((_count(metrics, "num-examples", minimum=0),
-                             {key: _number(metrics, key) for key in metrics if key != "num-examples"}))
+                rows.append((count(metrics, "num-examples", minimum=0),
+                             {key: number(metrics, key) for key in metrics if key != "num-examples"}))
             except ReplyError as err:
                 log(WARNING, "round %d: evaluation reply of node %d left out: %s", server_round,
                     msg.metadata.src_node_id, err)

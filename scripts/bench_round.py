@@ -56,7 +56,7 @@ from fedact_app.diagnostics import direction_consistency, global_norm  # noqa: E
 from fedact_app.launch import run_simulation  # noqa: E402
 from fedact_app.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
-from fedact_app.strategy import decode_update  # noqa: E402
+from fedact_app.replies import decode_update  # noqa: E402
 from fedact_app.train import cosine_lr, resolve_device, train_steps  # noqa: E402
 from fedact_app.wire import array_record  # noqa: E402
 

@@ -14,7 +14,8 @@ from fedact_app.algorithms import ALGORITHMS
 from fedact_app.config import Config, ConfigError, compose
 from fedact_app.data import train_labels
 from fedact_app.preflight import check_partitions
-from fedact_app.strategy import AlgorithmStrategy, ReplyError, decode_update
+from fedact_app.replies import ReplyError, decode_update
+from fedact_app.strategy import AlgorithmStrategy
 
 
 @pytest.mark.parametrize("override, key", [

@@ -1,0 +1,66 @@
+"""A reply's records decoded and checked, on real Flower record types (fedact_app.replies)."""
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+from fedact_app.replies import ReplyError, all_finite, decode_update, record_bytes
+
+STATE = {"w": torch.zeros(2, 3), "bn.running_mean": torch.zeros(3), "bn.n": torch.tensor(0)}
+TRAINABLE = ["w"]
+
+
+def reply(delta=None, v=None, metrics=None, drop=()):
+    content = RecordDict({
+        "delta": ArrayRecord(delta if delta is not None else {k: torch.ones_like(t) for k, t in STATE.items()}),
+        "v": ArrayRecord(v if v is not None else {"w": torch.full((2, 3), 0.5)}),
+        "metrics": MetricRecord(metrics or {"num-examples": 64, "num-steps": 2, "lr-sum": 0.002,
+                                            "train-loss": 1.5}),
+    })
+    for key in drop:
+        del content[key]
+    return content
+
+
+def test_valid_reply_decodes():
+    update = decode_update(reply(), STATE, ("v",), TRAINABLE)
+    assert update.num_steps == 2 and update.num_examples == 64 and update.lr_sum == pytest.approx(0.002)
+    torch.testing.assert_close(update.delta["w"], torch.ones(2, 3))
+    torch.testing.assert_close(update.arrays["v"]["w"], torch.full((2, 3), 0.5))
+    raw = 4 * (6 + 3) + 8 + 4 * 6  # float32 delta w, running_mean; int64 n; float32 v
+    assert raw <= record_bytes(reply()) < raw + 1024  # serialized size: arrays plus headers
+
+
+@pytest.mark.parametrize("content, needle", [
+    (reply(drop=("v",)), "missing record 'v'"),
+    (reply(drop=("delta",)), "missing record 'delta'"),
+    (reply(delta={"w": torch.ones(2, 3)}), "wrong entries"),
+    (reply(delta={"w": torch.ones(3, 2), "bn.running_mean": torch.ones(3), "bn.n": torch.tensor(1)}), "(3, 2)"),
+    (reply(delta={"w": torch.ones(2, 3, dtype=torch.float64), "bn.running_mean": torch.ones(3),
+                  "bn.n": torch.tensor(1)}), "float64"),
+    (reply(delta={"w": torch.full((2, 3), float("nan")), "bn.running_mean": torch.ones(3),
+                  "bn.n": torch.tensor(1)}), "non-finite"),
+    (reply(v={"w": torch.full((2, 3), float("inf"))}), "non-finite"),
+    (reply(metrics={"num-examples": 64, "num-steps": 0, "lr-sum": 0.1}), "num-steps"),
+    (reply(metrics={"num-examples": 64, "num-steps": 2}), "lr-sum"),
+])
+def test_bad_replies_are_rejected_with_the_reason(content, needle):
+    with pytest.raises(ReplyError) as err:
+        decode_update(content, STATE, ("v",), TRAINABLE)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("values, dtype, finite", [
+    ([1.0, -2.0, 0.0], torch.float32, True),
+    ([1.0, float("inf")], torch.float32, False),
+    ([float("-inf"), 1.0], torch.float32, False),
+    ([float("inf"), float("-inf")], torch.float32, False),  # the sum is NaN
+    ([1.0, float("nan")], torch.float32, False),
+    ([3e38, 3e38, -1.0], torch.float32, True),  # finite entries whose float32 sum overflows
+    ([1.7e308, 1.7e308], torch.float64, True),
+    ([60000.0, 60000.0], torch.float16, True),  # beyond float16's largest value, 65504, when summed
+    ([60000.0, float("nan")], torch.bfloat16, False),
+    ([], torch.float32, True),
+])
+def test_all_finite_checks_every_entry(values, dtype, finite):
+    assert all_finite(torch.tensor(values, dtype=dtype)) is finite
