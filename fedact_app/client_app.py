@@ -105,8 +105,13 @@ class InjectedFault(RuntimeError):
 
 
 def inject_fault(cfg: Config, partition_id: int, server_round: int) -> None:
+    """Raise ``InjectedFault``, or sleep ``debug.hang_seconds`` when that is set, where the debug
+    config names this partition and round."""
     debug = cfg.debug
     if partition_id in debug.fail_partitions and server_round in debug.fail_rounds:
+        if debug.hang_seconds > 0:
+            time.sleep(debug.hang_seconds)
+            return
         raise InjectedFault(f"partition {partition_id} fails in round {server_round} as configured "
                             f"(debug.fail_partitions={debug.fail_partitions}, "
                             f"debug.fail_rounds={debug.fail_rounds})")
