@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from fedact_app.algorithms import TensorDict
 from fedact_app.checkpoint import persist_client_state, restored_client_state
@@ -106,8 +111,13 @@ class InjectedFault(RuntimeError):
 
 
 def inject_fault(cfg: Config, partition_id: int, server_round: int) -> None:
+    """Raise ``InjectedFault``, or sleep ``debug.hang_seconds`` when that is set, where the debug
+    config names this partition and round."""
     debug = cfg.debug
     if partition_id in debug.fail_partitions and server_round in debug.fail_rounds:
+        if debug.hang_seconds > 0:
+            time.sleep(debug.hang_seconds)
+            return
         raise InjectedFault(f"partition {partition_id} fails in round {server_round} as configured "
                             f"(debug.fail_partitions={debug.fail_partitions}, "
                             f"debug.fail_rounds={debug.fail_rounds})")
@@ -170,16 +180,66 @@ def identify(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({IDENTITY_RECORD: identity}), reply_to=msg)
 
 
+SKIPPED = ErrorCode.MESSAGE_UNAVAILABLE  # a message this node did not work on: past its deadline or node busy
+
+
+def message_deadline(msg: Message, round_timeout: float) -> float:
+    """When the server stops waiting for this message's reply (Unix time): its ``created_at``
+    (the ServerApp's clock, just before the push) plus the smaller of its TTL and ``round_timeout``."""
+    return msg.metadata.created_at + min(msg.metadata.ttl, round_timeout)
+
+
+@contextlib.contextmanager
+def node_slot(msg: Message) -> Iterator[bool]:
+    """Hold this node's one-message-at-a-time slot; yields False when another message of this node
+    and run holds it. A SuperNode in a deployment works on one message at a time, but Flower's
+    simulation engine hands a node's next message to any free actor while its earlier one still
+    runs, so a hung node would take one more actor every round until the others' messages queue
+    behind it (an OS file lock: the actors are processes; released when its holder exits)."""
+    path = os.path.join(tempfile.gettempdir(),
+                        f"fedact-node-{msg.metadata.run_id}-{msg.metadata.dst_node_id}.lock")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # also releases the lock
+
+
+def handle(msg: Message, context: Context, work: Callable[[Message, Context], RecordDict]) -> Message:
+    """``work``'s reply, or an error reply without any work when the server no longer waits for one
+    (the message queued past its deadline behind other nodes' work) or this node is still busy with
+    an earlier message (hung or slow); either way the actor is free at once for the other nodes."""
+    round_timeout = _compose(str(context.run_config.get("overrides", ""))).round_timeout
+    if (late := time.time() - message_deadline(msg, round_timeout)) > 0:
+        return Message(Error(SKIPPED, f"skipped: the message reached the node {late:.1f} s after its "
+                                      f"deadline (round_timeout={round_timeout:g} s)"), reply_to=msg)
+    with node_slot(msg) as free:
+        if not free:
+            return Message(Error(SKIPPED, "skipped: the node is still working on an earlier message"),
+                           reply_to=msg)
+        return Message(content=work(msg, context), reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    return Message(content=train_content(msg.content, context), reply_to=msg)
+    return handle(msg, context, lambda msg, context: train_content(msg.content, context))
 
 
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
+def evaluate_content(msg: Message, context: Context) -> RecordDict:
+    """The evaluate handler's work: the local test metrics of the received model."""
     trainer, partition_id, num_partitions = node_trainer(context)
     metrics, num_examples = trainer.evaluate_local(msg.content["model"].to_torch_state_dict(),
                                                    partition_id=partition_id, num_partitions=num_partitions)
     record = MetricRecord({"num-examples": num_examples,
                            **{key.replace("_", "-"): value for key, value in metrics.items()}})
-    return Message(content=RecordDict({"metrics": record}), reply_to=msg)
+    return RecordDict({"metrics": record})
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    return handle(msg, context, evaluate_content)

@@ -260,10 +260,17 @@ class AlgorithmConfig:
 @dataclass
 class DebugConfig:
     """Fault injection for testing failure handling (off by default): the ClientApp of every
-    partition in ``fail_partitions`` raises ``InjectedFault`` in each round of ``fail_rounds``."""
+    partition in ``fail_partitions`` raises ``InjectedFault`` in each round of ``fail_rounds``;
+    with ``hang_seconds > 0`` it instead sleeps that many seconds before training (a hung or very
+    slow client: tests of ``round_timeout``), then trains and replies as usual."""
 
     fail_partitions: list[int] = field(default_factory=list)
     fail_rounds: list[int] = field(default_factory=list)
+    hang_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.hang_seconds >= 0, "debug.hang_seconds", self.hang_seconds,
+                 ">= 0 (0 = raise instead of hanging)")
 
 
 @dataclass

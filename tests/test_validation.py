@@ -56,6 +56,7 @@ from fedact_app.strategy import AlgorithmStrategy
     ("debug.fail_partitions=[10] debug.fail_rounds=[1]", "debug.fail_partitions"),
     ("debug.fail_partitions=[0] debug.fail_rounds=[11]", "debug.fail_rounds"),
     ("debug.fail_partitions=[0]", "debug.fail_rounds"),
+    ("debug.fail_partitions=[0] debug.fail_rounds=[1] debug.hang_seconds=-1", "debug.hang_seconds"),
 ])
 def test_each_bad_config_category_fails_naming_key_value_and_range(override, key):
     with pytest.raises(ConfigError) as err:
