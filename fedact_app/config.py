@@ -269,6 +269,7 @@ class DebugConfig:
     hang_seconds: float = 0.0
 
     def __post_init__(self) -> None:
+        _require_finite(self, "debug.")
         _require(self.hang_seconds >= 0, "debug.hang_seconds", self.hang_seconds,
                  ">= 0 (0 = raise instead of hanging)")
 
