@@ -67,7 +67,12 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None) -> 
     with twenty pulls a second while clients train (a pull is one small query of the SuperLink;
     a cap of 0.25 s cost a simulated round about 0.1 s more, docs/PERFORMANCE.md).
     """
-    pending = set(grid.push_messages(messages))
+    return collect(grid, set(grid.push_messages(messages)), timeout)
+
+
+def collect(grid: Grid, pending: set[str], timeout: float | None) -> list[Message]:
+    """Pull the replies to the message ids in ``pending`` (removing each answered id from it)
+    until none is left or ``timeout`` seconds passed (0: one pull); ``exchange`` has the waits."""
     replies: list[Message] = []
     deadline = None if timeout is None else time.monotonic() + timeout
     wait = REPLY_POLL[0]
@@ -136,7 +141,7 @@ class AlgorithmStrategy(Strategy):
         self._first_sample = True
         self.seed = seed
         self.client_keys: dict[int, ClientKey] = {}  # node id -> identity (fedact_app.sampling)
-        self.reply_timeout: float | None = None  # set by ``start``: the identity queries' wait too
+        self.open_queries: dict[str, int] = {}  # identity queries without a reply: message id -> node
         self.state: TensorDict = {}
         self.bytes_sent = 0
 
@@ -166,16 +171,21 @@ class AlgorithmStrategy(Strategy):
 
     def identify(self, grid: Grid, nodes: Sequence[int]) -> None:
         """Ask each node not yet known who it is (one QUERY message each, answered by the ClientApp
-        from its node config) and remember the answer. A node whose query fails gets a key after
-        every identified client (fedact_app.sampling); one that does not answer within the reply
-        timeout is asked again next time. Two nodes with one identity are warned of."""
-        unknown = [node for node in nodes if node not in self.client_keys]
-        if not unknown:
-            return
+        from its node config) and remember the answers. The first call waits up to
+        ``node_wait_timeout`` for them (the ClientApps' cold start), a later one that asks new
+        nodes up to ``ALL_NODES_WAIT``; a node still silent is left out of this sample and its
+        query stays open (collected, not sent again, at the next call). A node whose query fails
+        gets a key after every identified client (fedact_app.sampling). Two nodes with one
+        identity are warned of."""
+        asked = [node for node in nodes if node not in self.client_keys and node not in self.open_queries.values()]
         queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node)
-                   for node in unknown]
-        for reply in exchange(grid, queries, self.reply_timeout):
-            node = reply.metadata.src_node_id
+                   for node in asked]
+        if queries:
+            self.open_queries.update(zip(grid.push_messages(queries), asked))
+        wait = self.node_wait_timeout if not self.client_keys else ALL_NODES_WAIT if queries else 0.0
+        pending = set(self.open_queries)
+        for reply in collect(grid, pending, wait):
+            node = self.open_queries.pop(reply.metadata.reply_to_message_id)
             try:
                 if reply.has_error():
                     raise ValueError(reply.error.reason)
@@ -190,7 +200,7 @@ class AlgorithmStrategy(Strategy):
         for node, key in self.client_keys.items():
             holders.setdefault(key, []).append(node)
         for key, shared in sorted(holders.items()):
-            if len(shared) > 1 and any(node in unknown for node in shared):
+            if len(shared) > 1 and any(node in asked for node in shared):
                 log(WARNING, "nodes %s are all %s: each SuperNode needs its own partition-id (or "
                     "client-name); the run's client sequence then depends on Flower's node ids",
                     ", ".join(map(str, sorted(shared))), describe(key))
@@ -393,7 +403,6 @@ class AlgorithmStrategy(Strategy):
         restored state, rule and ``empty_rounds``), ``on_round_end(row)`` receives each
         round's metrics and ``after_round(round)`` runs after it (checkpoints)."""
         self.summary()
-        self.reply_timeout = timeout
         self.state = dict(initial_state)
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})

@@ -21,7 +21,7 @@ from fedact_app.launch import run_simulation
 
 pytestmark = pytest.mark.timeout(600)
 APP_DIR = Path(__file__).resolve().parents[1]
-HUNG = ("num_rounds=3 num_clients=5 fraction_train=1.0 min_train_nodes=5 local_steps=2 batch_size=16 "
+HUNG = ("num_rounds=3 num_clients=5 fraction_train=1.0 min_train_nodes=4 local_steps=2 batch_size=16 "
         "device=cpu round_timeout=10 debug.fail_partitions=[0] debug.fail_rounds=[1,2,3] "
         "debug.hang_seconds=25")
 

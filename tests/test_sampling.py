@@ -31,8 +31,9 @@ class QueryGrid:
     QUERY message is answered as the ClientApp does (``client_identity``), or with an error
     reply where the ClientApp would raise."""
 
-    def __init__(self, node_configs: dict[int, dict]):
+    def __init__(self, node_configs: dict[int, dict], silent=()):
         self.node_configs = node_configs
+        self.silent = set(silent)  # nodes that never answer
         self.pushed: dict[str, Message] = {}
         self.queries = 0
 
@@ -49,7 +50,8 @@ class QueryGrid:
         return ids
 
     def pull_messages(self, message_ids):
-        return [self.answer(i, self.pushed[i].metadata.dst_node_id) for i in message_ids]
+        return [self.answer(i, self.pushed[i].metadata.dst_node_id) for i in message_ids
+                if self.pushed[i].metadata.dst_node_id not in self.silent]
 
     def answer(self, message_id: str, node: int) -> Message:
         metadata = Metadata(run_id=1, message_id=f"r{message_id}", src_node_id=node, dst_node_id=0,
@@ -69,11 +71,13 @@ def simulation_grid(num_clients: int, launch: int) -> QueryGrid:
                       for i in range(num_clients)})
 
 
-def strategy(algorithm="fedact", seed=2, fraction_train=0.25, fraction_evaluate=0.0, num_clients=20):
+def strategy(algorithm="fedact", seed=2, fraction_train=0.25, fraction_evaluate=0.0, num_clients=20,
+             node_wait_timeout=300.0):
     cfg = compose([f"algorithm={algorithm}"]).algorithm
     return AlgorithmStrategy(ALGORITHMS[algorithm].server(cfg, ["w"]), trainable=["w"], local_steps=5,
                              lr_schedule=lambda r: 0.1, fraction_train=fraction_train, min_train_nodes=2,
-                             fraction_evaluate=fraction_evaluate, seed=seed, expected_nodes=num_clients)
+                             fraction_evaluate=fraction_evaluate, seed=seed, expected_nodes=num_clients,
+                             node_wait_timeout=node_wait_timeout)
 
 
 def partitions_sampled(strategy_, grid, purpose="train", fraction=None) -> list[list[int]]:
@@ -171,3 +175,18 @@ def test_a_resumed_run_samples_what_the_straight_run_samples():
     grid = simulation_grid(20, 7)
     assert [[grid.node_configs[n]["partition-id"] for n in resumed.sample_nodes(grid, 0.25, 2, r, "train")]
             for r in ROUNDS[2:]] == straight[2:]
+
+
+def test_a_silent_node_is_left_out_and_asked_only_once(caplog):
+    """The first identification waits up to node_wait_timeout; a node that never answers is left
+    out of the sample (warned of), and its open query is collected, not sent again, later."""
+    configs = {10 + i: {"partition-id": i, "num-partitions": 4} for i in range(4)}
+    grid = QueryGrid(configs, silent={12})
+    s = strategy(fraction_train=1.0, num_clients=4, node_wait_timeout=0.3)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        first = s.sample_nodes(grid, 1.0, 2, 1, "train")
+        second = s.sample_nodes(grid, 1.0, 2, 2, "train")
+    assert first == second == [10, 11, 13]
+    assert grid.queries == 4 and "1 of 4 nodes did not say which client they are" in caplog.text
+    grid.silent.clear()  # its answer arrives: collected at the next sample, without a new query
+    assert s.sample_nodes(grid, 1.0, 2, 3, "train") == [10, 11, 12, 13] and grid.queries == 4
