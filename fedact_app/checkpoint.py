@@ -379,8 +379,16 @@ def restored_client_state(config: Mapping, partition_id: int) -> dict[str, Tenso
 # ---------------------------------------------------------------- the ServerApp's wiring
 
 
-def open_resume(cfg: Config) -> tuple[Path, Checkpoint] | None:
-    """(source, checkpoint) named by ``cfg.resume`` and checked against ``cfg``; None when not resuming.
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run continues from, and the file it was read from."""
+
+    source: Path
+    checkpoint: Checkpoint
+
+
+def open_resume(cfg: Config) -> Resume | None:
+    """The checkpoint named by ``cfg.resume``, checked against ``cfg``; None when not resuming.
     A checkpoint ``load_checkpoint`` refuses is a ``ConfigError`` naming ``resume=`` and the file."""
     if cfg.resume is None:
         return None
@@ -391,27 +399,27 @@ def open_resume(cfg: Config) -> tuple[Path, Checkpoint] | None:
         raise ConfigError(f"Invalid config value resume={cfg.resume!r}: allowed a complete FedACT checkpoint "
                           f"(or a run folder whose newest checkpoint is one); {err}") from err
     check_compatible(ckpt, cfg, source)
-    return source, ckpt
+    return Resume(source, ckpt)
 
 
-def client_round_config(checkpointer: Checkpointer, resume: tuple[Path, Checkpoint] | None) -> dict:
+def client_round_config(checkpointer: Checkpointer, resume: Resume | None) -> dict:
     """Round-config entries telling clients where to keep and where to restore their state."""
     config = {CLIENT_STATE_DIR_KEY: str(checkpointer.client_state_dir)}
-    if resume is not None and resume[1].clients:
-        config[RESUME_KEY] = str(resume[0])
+    if resume is not None and resume.checkpoint.clients:
+        config[RESUME_KEY] = str(resume.source)
     return config
 
 
 def snapshot(strategy, server_round: int, rows: list[dict], cfg: Config) -> Checkpoint:
-    """A ``Checkpoint`` of an ``AlgorithmStrategy`` after ``server_round`` (clients filled on write)."""
-    return Checkpoint(round=server_round, model=dict(strategy.state), rule=strategy.rule.state_dict(),
-                      rng=capture_rng(), empty_rounds=strategy.empty_rounds,
-                      config=to_yaml(cfg), rows=list(rows))
+    """A ``Checkpoint`` after ``server_round`` of a strategy with ``state_dict()`` (an
+    ``AlgorithmStrategy``), with the process's RNG states (clients filled on write)."""
+    state = strategy.state_dict()
+    return Checkpoint(round=server_round, model=state["model"], rule=state["rule"], rng=capture_rng(),
+                      empty_rounds=state["empty_rounds"], config=to_yaml(cfg), rows=list(rows))
 
 
-def restore(strategy, ckpt: Checkpoint) -> TensorDict:
-    """Put the checkpoint's rule state, RNG states and empty-round count back; return its model."""
-    strategy.rule.load_state_dict(ckpt.rule)
+def restore(strategy, ckpt: Checkpoint) -> None:
+    """Put the checkpoint's model, rule state and empty-round count back into the strategy
+    (``load_state_dict``) and the RNG states into the process."""
+    strategy.load_state_dict({"model": ckpt.model, "rule": ckpt.rule, "empty_rounds": ckpt.empty_rounds})
     restore_rng(ckpt.rng)
-    strategy.empty_rounds = ckpt.empty_rounds
-    return dict(ckpt.model)

@@ -65,8 +65,8 @@ def main(grid: Grid, context: Context) -> None:
             "to get them", cfg.local_steps, cfg.diagnostics.trust_every)
 
     evaluator = CentralEvaluator(cfg, task, model)
-    recorder = RunRecorder(create_run_dir(cfg), cfg, earlier_rows=resume[1].rows if resume else ())
-    checkpointer = Checkpointer(recorder.run_dir, cfg, resume[1].clients if resume else None)
+    recorder = RunRecorder(create_run_dir(cfg), cfg, earlier_rows=resume.checkpoint.rows if resume else ())
+    checkpointer = Checkpointer(recorder.run_dir, cfg, resume.checkpoint.clients if resume else None)
     algorithm = cfg.algorithm
     strategy = AlgorithmStrategy(
         ALGORITHMS[algorithm.name].server(algorithm, trainable, num_clients=cfg.num_clients),
@@ -79,16 +79,16 @@ def main(grid: Grid, context: Context) -> None:
         batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio, wire_dtype=cfg.wire_dtype,
         train_config=client_round_config(checkpointer, resume))
     if resume is not None:
-        source, ckpt = resume
-        initial_state = restore(strategy, ckpt)
-        log(INFO, "Resuming after round %d from %s", ckpt.round, source)
+        restore(strategy, resume.checkpoint)
+        log(INFO, "Resuming after round %d from %s", resume.checkpoint.round, resume.source)
 
     def after_round(server_round: int) -> None:
         if checkpointer.due(server_round):
             path = checkpointer.write(snapshot(strategy, server_round, recorder.rows, cfg))
             log(INFO, "Checkpoint: %s", path)
 
-    final_state = strategy.start(grid, initial_state, cfg.num_rounds, cfg.round_timeout,
-                                 evaluate_fn=evaluator, on_round_end=recorder.record_round,
-                                 first_round=resume[1].round + 1 if resume else 1, after_round=after_round)
+    final_state = strategy.run(grid, cfg.num_rounds, cfg.round_timeout, evaluate_fn=evaluator,
+                               on_round_end=recorder.record_round,
+                               initial_state=None if resume else initial_state,
+                               first_round=resume.checkpoint.round + 1 if resume else 1, after_round=after_round)
     recorder.finish(final_state)

@@ -394,16 +394,31 @@ class AlgorithmStrategy(Strategy):
 
     # ------------------------------------------------------------------ the loop
 
-    def start(self, grid: Grid, initial_state: TensorDict, num_rounds: int, timeout: float,
-              evaluate_fn: Callable[[int, TensorDict], dict | None],
-              on_round_end: Callable[[dict], None], *, first_round: int = 1,
-              after_round: Callable[[int], None] | None = None) -> TensorDict:
-        """Run rounds ``first_round..num_rounds``; ``evaluate_fn(round, state)`` evaluates the global
-        model (round 0 = before training, skipped when resuming at ``first_round > 1`` from a
-        restored state, rule and ``empty_rounds``), ``on_round_end(row)`` receives each
-        round's metrics and ``after_round(round)`` runs after it (checkpoints)."""
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the strategy: the global ``model`` state, the rule's state
+        (``ServerRule.state_dict``) and the count of consecutive ``empty_rounds``."""
+        return {"model": dict(self.state), "rule": self.rule.state_dict(), "empty_rounds": self.empty_rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s output (a resumed run)."""
+        self.state = dict(state["model"])
+        self.rule.load_state_dict(state["rule"])
+        self.empty_rounds = int(state["empty_rounds"])
+
+    def run(self, grid: Grid, num_rounds: int, timeout: float,
+            evaluate_fn: Callable[[int, TensorDict], dict | None],
+            on_round_end: Callable[[dict], None], *, initial_state: TensorDict | None = None,
+            first_round: int = 1, after_round: Callable[[int], None] | None = None) -> TensorDict:
+        """Run rounds ``first_round..num_rounds`` from ``initial_state`` (or, resuming, from what
+        ``load_state_dict`` restored) and return the final global state. ``evaluate_fn(round,
+        state)`` evaluates the global model (round 0 = before training, only when
+        ``first_round`` is 1), ``on_round_end(row)`` receives each round's metrics and
+        ``after_round(round)`` runs after it (checkpoints). Flower's own ``Strategy.start`` (its
+        round loop for ArrayRecords) is not used: this loop adds the method's broadcast arrays,
+        the reply checks and the empty-round accounting."""
         self.summary()
-        self.state = dict(initial_state)
+        if initial_state is not None:
+            self.state = dict(initial_state)
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
         arrays = array_record(self.state)

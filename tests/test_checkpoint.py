@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate
-from fedact_app.checkpoint import (Checkpoint, CheckpointError, Checkpointer, atomic_write, capture_rng,
+from fedact_app.checkpoint import (Checkpoint, CheckpointError, Checkpointer, Resume, atomic_write, capture_rng,
                                    check_compatible, client_round_config, list_checkpoints, load_checkpoint,
                                    open_resume, persist_client_state, resolve_resume, restore_rng,
                                    restored_client_state, save_checkpoint)
@@ -134,7 +134,7 @@ def test_client_state_goes_through_the_checkpoint_to_a_resumed_client(tmp_path):
     mine = {"c_i": {"w": torch.randn(2, 3), "b": torch.randn(2)}}
     persist_client_state(client_round_config(checkpointer, None), 0, mine)
     path = checkpointer.write(checkpoint(3))
-    config = client_round_config(checkpointer, (path, load_checkpoint(path)))
+    config = client_round_config(checkpointer, Resume(path, load_checkpoint(path)))
     assert_same_arrays(restored_client_state(config, 0), mine)
     assert_same_arrays(restored_client_state(config, 1), restored["1"])
     assert restored_client_state(config, 5) == {}  # never trained: starts from zero
@@ -314,3 +314,25 @@ def test_a_state_holding_non_finite_values_is_not_checkpointed_and_the_older_che
                                            r"\['rule/delta_g/w'\]: no checkpoint written"):
         checkpointer.write(diverged)
     assert list_checkpoints(tmp_path) == [good]
+
+
+def test_snapshot_and_restore_go_through_the_strategys_state_dict(tmp_path):
+    """A strategy's model, rule state (v_bar, Delta_G) and empty-round count survive a checkpoint
+    file into a fresh strategy, through ``state_dict``/``load_state_dict`` only."""
+    from fedact_app.checkpoint import restore, snapshot
+    from fedact_app.strategy import AlgorithmStrategy
+
+    cfg = compose()
+
+    def strategy():
+        return AlgorithmStrategy(ALGORITHMS["fedact"].server(cfg.algorithm, TRAINABLE), trainable=TRAINABLE,
+                                 local_steps=2, lr_schedule=lambda r: 0.1, fraction_train=1.0, min_train_nodes=1)
+
+    before = strategy()
+    before.load_state_dict({"model": X, "rule": checkpoint().rule, "empty_rounds": 2})
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, snapshot(before, 5, [{"round": 0}], cfg))
+    after = strategy()
+    restore(after, load_checkpoint(path))
+    assert same_arrays(after.state_dict()["model"], X) and after.empty_rounds == 2
+    assert same_arrays(after.state_dict()["rule"], before.state_dict()["rule"])

@@ -287,15 +287,15 @@ def test_two_nodes_training_one_partition_are_warned_of(caplog):
 
 
 def _rounds_without_replies(monkeypatch, strategy, **start_kwargs) -> list[dict]:
-    """Run ``strategy.start`` where no client ever replies (the Grid exchange stands in: nothing
+    """Run ``strategy.run`` where no client ever replies (the Grid exchange stands in: nothing
     comes back), returning the rows it recorded."""
     import fedact_app.strategy as strategy_module
 
     monkeypatch.setattr(strategy_module, "exchange", lambda grid, messages, timeout: [])
     monkeypatch.setattr(strategy, "configure_train", lambda *args: [])
     rows = []
-    strategy.start(None, dict(STATE), timeout=1.0, evaluate_fn=lambda r, state: None,
-                   on_round_end=rows.append, **start_kwargs)
+    strategy.run(None, timeout=1.0, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
+                 initial_state=dict(STATE), **start_kwargs)
     return rows
 
 
