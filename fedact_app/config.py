@@ -88,12 +88,18 @@ class DatasetConfig:
     num_test: int = 500  # synthetic only
     hub_config: Optional[str] = None  # language: the hub dataset's config name (c4: en)
     validation_fraction: float = 0.05  # language, local data: every round(1/f)-th document/record held out
+    # vision: this fraction of the training split (seed-fixed rows, removed before partitioning) is
+    # the server's evaluation set instead of the test split, its metrics named val_*; 0 = off
+    # (tuning scores on it: scripts/tune.py)
+    holdout_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         _require_finite(self, "dataset.")
         _require_choice("dataset.name", self.name, DATASETS)
         _require(0 < self.validation_fraction < 1, "dataset.validation_fraction", self.validation_fraction,
                  "in (0, 1)")
+        _require(0 <= self.holdout_fraction < 1, "dataset.holdout_fraction", self.holdout_fraction,
+                 "in [0, 1) (0 = off)")
         _require(self.name != "text" or bool(self.path), "dataset.path", self.path,
                  "a local .txt file or folder of *.txt files for dataset=text")
         file_datasets = ", ".join(d for d in DATASETS if d not in BUILTIN_DATASETS)
@@ -371,6 +377,9 @@ class Config:
                                     ("model.name", self.model.name, models)):
             _require(value in allowed, key, value,
                      f"one of {', '.join(allowed)} for task={self.task} (the combinations: {combinations})")
+        _require(self.task == "vision" or self.dataset.holdout_fraction == 0, "dataset.holdout_fraction",
+                 self.dataset.holdout_fraction, f"0 for task={self.task} (a vision key; language tasks hold "
+                 "out dataset.validation_fraction)")
         language = self.language
         if self.task == "dpo":
             _require(language.max_prompt_length < language.max_length, "language.max_prompt_length",

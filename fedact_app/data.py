@@ -5,10 +5,12 @@ Everything a client trains on passes through four steps, each a function here:
 1. :func:`load_splits` - the train and test splits as Hugging Face ``datasets.Dataset`` objects
    with two columns, ``image`` and ``label`` (renamed from ``dataset.image_column`` /
    ``dataset.label_column``), labels checked to lie in ``[0, num_classes)``.
-2. :func:`partition_indices` - which training rows each client holds (flwr-datasets'
+2. :func:`holdout_rows` (only when ``dataset.holdout_fraction`` > 0) - a seed-fixed slice of the
+   training split held out as the server's validation set, removed before partitioning.
+   :func:`partition_indices` - which training rows each client holds (flwr-datasets'
    ``IidPartitioner`` or ``DirichletPartitioner``), deterministic for the run's seed, so every
    process computes the same partition without talking to the others.
-3. :func:`load_client_train` / :func:`load_test` - decode only the rows needed into an
+3. :func:`load_client_train` / :func:`load_test` (/ :func:`load_validation`) - decode only the rows needed into an
    :class:`ImageTensors` (float32, resized to ``dataset.image_size``, normalized with the
    dataset's mean/std), cached per process: in simulation one process serves many clients.
 4. :class:`BatchStream` / :func:`test_batches` - batches from tensors already on the training
@@ -570,6 +572,12 @@ def load_test(cfg: Config) -> ImageTensors:
     return _test_cached(_dataset_key(cfg.dataset), _resolve(cfg.data_dir), int(cfg.seed))
 
 
+def load_validation(cfg: Config) -> ImageTensors:
+    """The training rows held out by ``dataset.holdout_fraction`` (:func:`holdout_rows`), decoded,
+    cached per process; ValueError when it is 0."""
+    return _validation_cached(_dataset_key(cfg.dataset), _resolve(cfg.data_dir), int(cfg.seed))
+
+
 def _dataset_key(cfg: DatasetConfig) -> tuple:
     """A hashable key of every DatasetConfig field (lists become tuples)."""
     return tuple((f.name, _hashable(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
@@ -585,12 +593,40 @@ def _dataset_config(key: tuple) -> DatasetConfig:
 
 
 @functools.lru_cache(maxsize=2)
-def _splits_cached(dataset_key: tuple, data_dir: str | None, seed: int) -> tuple[datasets.Dataset, datasets.Dataset, np.ndarray]:
-    """The loaded splits and the training labels (read-only), per process."""
-    train, test = load_splits(_dataset_config(dataset_key), data_dir, seed)
+def _splits_cached(
+    dataset_key: tuple, data_dir: str | None, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset, np.ndarray, datasets.Dataset | None]:
+    """The training split clients share (without the validation rows), the test split, the
+    former's labels (read-only) and the validation rows (None when ``holdout_fraction`` is 0), per
+    process."""
+    cfg = _dataset_config(dataset_key)
+    train, test = load_splits(cfg, data_dir, seed)
+    validation = None
+    if cfg.holdout_fraction > 0:
+        kept, held = holdout_rows(len(train), cfg.holdout_fraction, seed)
+        train, validation = train.select(kept), train.select(held)
     labels = _labels_of(train).astype(np.int64)
     labels.setflags(write=False)
-    return train, test, labels
+    return train, test, labels, validation
+
+
+HOLDOUT_STREAM = 0x76616C  # "val": the holdout's random stream, apart from every other draw of the seed
+
+
+def holdout_rows(num_rows: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out): sorted row indices of a training split of ``num_rows`` rows, the held-out
+    ones ``round(fraction * num_rows)`` rows drawn without replacement by a generator seeded with
+    (``seed``, :data:`HOLDOUT_STREAM`). The kept rows are what is partitioned over the clients, so
+    no client ever trains on a held-out row. ``fraction`` 0: every row kept, none held out."""
+    count = int(round(fraction * num_rows))
+    if fraction > 0 and not 1 <= count < num_rows:
+        raise ConfigError(f"Invalid config value dataset.holdout_fraction={fraction}: holds out {count} of "
+                          f"{num_rows} training examples; allowed a fraction that leaves at least one on "
+                          "each side")
+    rng = np.random.default_rng(np.random.SeedSequence([seed % 2**63, HOLDOUT_STREAM]))
+    held = np.sort(rng.choice(num_rows, size=count, replace=False)).astype(np.int64)
+    kept = np.setdiff1d(np.arange(num_rows, dtype=np.int64), held, assume_unique=True)
+    return kept, held
 
 
 @functools.lru_cache(maxsize=16)
@@ -598,7 +634,7 @@ def _client_train_cached(
     dataset_key: tuple, data_dir: str | None, seed: int, partition: tuple, num_partitions: int, partition_id: int
 ) -> ImageTensors:
     """One partition's decoded training data (see :func:`load_client_train`)."""
-    train, _, labels = _splits_cached(dataset_key, data_dir, seed)
+    train, _, labels, _ = _splits_cached(dataset_key, data_dir, seed)
     name, alpha, min_size = partition
     part_cfg = PartitionConfig(name=name, alpha=alpha, min_partition_size=min_size)
     rows = partition_indices(labels, num_partitions, part_cfg, seed)[partition_id]
@@ -608,13 +644,22 @@ def _client_train_cached(
 @functools.lru_cache(maxsize=2)
 def _test_cached(dataset_key: tuple, data_dir: str | None, seed: int) -> ImageTensors:
     """The decoded test split (see :func:`load_test`)."""
-    _, test, _ = _splits_cached(dataset_key, data_dir, seed)
+    _, test, _, _ = _splits_cached(dataset_key, data_dir, seed)
     return to_image_tensors(test, _dataset_config(dataset_key))
+
+
+@functools.lru_cache(maxsize=2)
+def _validation_cached(dataset_key: tuple, data_dir: str | None, seed: int) -> ImageTensors:
+    """The decoded validation rows (see :func:`load_validation`)."""
+    validation = _splits_cached(dataset_key, data_dir, seed)[3]
+    if validation is None:
+        raise ValueError("no validation rows: dataset.holdout_fraction is 0")
+    return to_image_tensors(validation, _dataset_config(dataset_key))
 
 
 def clear_caches() -> None:
     """Forget every cached split, partition and decoded tensor of this process."""
-    for cached in (_partition_cached, _splits_cached, _client_train_cached, _test_cached):
+    for cached in (_partition_cached, _splits_cached, _client_train_cached, _test_cached, _validation_cached):
         cached.cache_clear()
 
 

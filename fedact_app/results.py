@@ -5,7 +5,8 @@ Layout of ``<output_dir>/<run name>/``::
     config.yaml      the resolved configuration
     metrics.jsonl    one JSON object per round (round 0 = the initial model)
     summary.json     final and best test accuracy (language tasks: perplexity or preference
-                     accuracy), rounds, wall time
+                     accuracy; with dataset.holdout_fraction > 0 the validation accuracy, and the
+                     test columns are NaN), rounds, wall time
     model.safetensors  the final global model state (a model holding NaN/inf fails the run instead)
     checkpoints/     round-<r>.safetensors, the newest keep_checkpoints (fedact_app.checkpoint)
     tensorboard/     every numeric column of metrics.jsonl as TensorBoard scalars (when the
@@ -61,6 +62,8 @@ def _format_row(row: dict, num_rounds: int, elapsed: float) -> str:
         parts.append(f"train loss {row['train_loss']:.4f}")
     if "test_accuracy" in row:
         parts.append(f"test acc {row['test_accuracy']:.4f} loss {row['test_loss']:.4f}")
+    elif "val_accuracy" in row:
+        parts.append(f"val acc {row['val_accuracy']:.4f} loss {row['val_loss']:.4f}")
     elif "test_preference_accuracy" in row:
         parts.append(f"test pref acc {row['test_preference_accuracy']:.4f} loss {row['test_loss']:.4f}")
     elif "test_perplexity" in row:
@@ -184,12 +187,16 @@ class RunRecorder:
             **reply_totals(self.rows),
             "run_dir": str(self.run_dir),
         }
-        if not evaluated:  # language tasks: their main metric instead (docs/LANGUAGE.md)
+        if validated := [r["val_accuracy"] for r in self.rows if "val_accuracy" in r]:  # holdout_fraction > 0
+            summary.update(initial_val_accuracy=validated[0], final_val_accuracy=validated[-1],
+                           best_val_accuracy=max(validated))
+        elif not evaluated:  # language tasks: their main metric instead (docs/LANGUAGE.md)
             summary.update(main_metric_summary(self.rows))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.close()
-        key = next((k for k, _ in MAIN_METRICS if f"final_{k}" in summary), "test_accuracy")
+        key = next((k for k, _ in (("val_accuracy", max), *MAIN_METRICS) if f"final_{k}" in summary),
+                   "test_accuracy")
         log(INFO, "Done: final %s %.4f (best %.4f, initial %.4f) in %.0f s -> %s", key.replace("_", " "),
             summary[f"final_{key}"], summary[f"best_{key}"], summary[f"initial_{key}"], summary["seconds"],
             self.run_dir)

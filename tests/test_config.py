@@ -96,3 +96,13 @@ def test_bad_values_fail_with_key_value_and_range(override, key):
         compose([override])
     message = str(err.value)
     assert key in message and "allowed" in message
+
+
+def test_holdout_fraction_is_a_vision_fraction_off_by_default():
+    assert compose().dataset.holdout_fraction == 0.0
+    assert compose("dataset.holdout_fraction=0.1").dataset.holdout_fraction == 0.1
+    for value in ("1.0", "-0.1"):
+        with pytest.raises(ConfigError, match="dataset.holdout_fraction"):
+            compose(f"dataset.holdout_fraction={value}")
+    with pytest.raises(ConfigError, match="dataset.holdout_fraction.*task=lm_pretrain"):
+        compose("task=lm_pretrain dataset=text dataset.path=/x.txt model=llama_tiny dataset.holdout_fraction=0.1")

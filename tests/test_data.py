@@ -360,3 +360,61 @@ def test_test_batches_cover_every_sample_once_in_order():
     assert [len(b[1]) for b in batches] == [5, 5, 5, 5, 3]
     assert torch.equal(torch.cat([b[1] for b in batches]), torch.arange(23))
     assert torch.equal(torch.cat([b[0] for b in batches]), indexed(23).images)
+
+
+# ----------------------------------------------------------------------------------------------
+# The validation holdout (dataset.holdout_fraction)
+
+
+def _holdout_config(fraction: float, seed: int = 3) -> Config:
+    return Config(dataset=DatasetConfig(name="synthetic", num_train=240, num_test=60, channels=1,
+                                        image_size=4, mean=[0.5], std=[0.5], augment=False,
+                                        holdout_fraction=fraction),
+                  partition=PartitionConfig(name="dirichlet", alpha=0.3), num_clients=5, seed=seed)
+
+
+def _image_keys(tensors: data.ImageTensors) -> set[bytes]:
+    """Each example's image bytes (synthetic images are continuous noise: no two are equal)."""
+    return {image.numpy().tobytes() for image in tensors.images}
+
+
+def test_validation_rows_are_disjoint_from_every_client_and_from_the_test_split():
+    """The held-out rows are round(f * n) training rows that no client trains on and that are
+    not test rows; clients and validation together are the whole training split."""
+    cfg = _holdout_config(0.25)
+    validation = data.load_validation(cfg)
+    clients = [data.load_client_train(cfg, p, cfg.num_clients) for p in range(cfg.num_clients)]
+    held = _image_keys(validation)
+    assert len(validation) == len(held) == 60  # round(0.25 * 240), no duplicates
+    client_keys = [_image_keys(c) for c in clients]
+    for keys in client_keys:
+        assert not keys & held
+    assert not held & _image_keys(data.load_test(cfg))
+    full = _image_keys(data.load_client_train(_holdout_config(0.0), 0, 1))
+    assert held | set().union(*client_keys) == full and sum(map(len, client_keys)) == 180
+    assert data.train_labels(cfg).size == 180  # what the partition and the preflight see
+
+
+def test_holdout_rows_are_fixed_by_the_seed_and_off_at_zero():
+    kept, held = data.holdout_rows(100, 0.1, seed=7)
+    again_kept, again_held = data.holdout_rows(100, 0.1, seed=7)
+    assert np.array_equal(held, again_held) and np.array_equal(kept, again_kept)
+    assert held.size == 10 and np.array_equal(np.sort(np.concatenate([kept, held])), np.arange(100))
+    assert not np.array_equal(held, data.holdout_rows(100, 0.1, seed=8)[1])
+    kept, held = data.holdout_rows(100, 0.0, seed=7)
+    assert held.size == 0 and np.array_equal(kept, np.arange(100))
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        data.holdout_rows(3, 0.1, seed=7)  # rounds to no row
+    with pytest.raises(ValueError, match="no validation rows"):
+        data.load_validation(_holdout_config(0.0))
+
+
+def test_the_server_evaluates_on_the_validation_rows_under_val_names():
+    """With a holdout the server's metrics are val_loss / val_accuracy, never test_*."""
+    from fedact_app.tasks.vision import VisionTask
+
+    task = VisionTask(_holdout_config(0.25))
+    metrics = task.evaluate(task.build_model(), torch.device("cpu"))
+    assert set(metrics) == {"val_loss", "val_accuracy"}
+    assert set(VisionTask(_holdout_config(0.0)).evaluate(task.build_model(), torch.device("cpu"))) == {
+        "test_loss", "test_accuracy"}

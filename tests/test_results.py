@@ -96,3 +96,17 @@ def test_a_final_model_holding_non_finite_values_fails_and_writes_no_model_or_su
                                            r"in \['w'\]"):
         recorder.finish(final)
     assert not (tmp_path / "model.safetensors").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_a_run_evaluated_on_the_validation_holdout_summarizes_val_accuracy_not_test(tmp_path, caplog):
+    """dataset.holdout_fraction > 0: the rows hold val_*; the summary's test columns stay NaN."""
+    recorder = RunRecorder(tmp_path, compose(["num_rounds=2", "tensorboard=false", "dataset.holdout_fraction=0.1"]))
+    rows = [{key.replace("test_", "val_"): value for key, value in row.items()} for row in ROWS]
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        for row in rows:
+            recorder.record_round(row)
+        summary = recorder.finish({"w": torch.zeros(2)})
+    assert (summary["initial_val_accuracy"], summary["final_val_accuracy"], summary["best_val_accuracy"]) == (
+        0.1, 0.6, 0.6)
+    assert summary["final_test_accuracy"] != summary["final_test_accuracy"]  # NaN
+    assert "val acc 0.6000" in caplog.text and "final val accuracy 0.6000" in caplog.text

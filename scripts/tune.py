@@ -1,0 +1,211 @@
+"""Tune each method's learning rate (and FedACT's trust settings) on a validation split, never on
+the test set, with Optuna's ask/tell API; write the best overrides for scripts/study.py --tuned.
+
+    python scripts/tune.py --out tuning/fmnist --methods fedact fedadamw fedavg --trials 20 \\
+        --seeds 1000 1001 --storage sqlite:///tuning/fmnist/optuna.db -- dataset=fashion_mnist ...
+    python scripts/study.py run --out studies/fmnist-tuned --tuned tuning/fmnist/tuned.yaml ...
+
+One Optuna study per method (``optuna.create_study``, maximize; TPE seeded with ``--sampler-seed``);
+a trial is ``study.ask()``, one app run per tuning seed through scripts/study.py's job runner, then
+``study.tell()``. The runs hold out ``--holdout`` of the training split (``dataset.holdout_fraction``:
+seed-fixed rows removed before partitioning) and the server evaluates on it as ``val_accuracy``;
+the objective is the mean over the tuning seeds of the final (``--metric best``: the best)
+``val_accuracy``. The test split is never evaluated in a tuning run.
+
+Search space: ``algorithm.lr`` log-uniform, for methods with a local Adam in [3e-5, 3e-3], for the
+SGD family in [3e-3, 1] (the seed's grids widened; ``--lr-range`` sets one range for all);
+for methods whose trust modulation is on (fedact, fedact_local): ``algorithm.tau`` uniform in
+[0.1, 1], ``algorithm.gamma`` uniform in [0, 1] and ``algorithm.scale_matched`` in {false, true}.
+A run that failed (the model diverged) scores 0; a trial whose run could not be launched or timed
+out is told FAIL. With ``--storage`` (e.g. ``sqlite:///tuning/optuna.db``) the studies persist and a
+second call adds trials until each method has ``--trials`` finished ones; the jobs' folders under
+``<out>/jobs`` are reused the same way as the study's.
+
+``<out>/tuned.yaml``: per method its best trial's overrides, score and trial count, and the
+tuning seeds (scripts/study.py refuses a study on any of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parents[1]
+for path in (APP_DIR, APP_DIR / "scripts"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import optuna  # noqa: E402
+import yaml  # noqa: E402
+
+import study as study_script  # noqa: E402  (scripts/study.py: the job runner)
+from fedact_app.algorithms import ALGORITHMS  # noqa: E402
+from fedact_app.report import METHODS, load_run  # noqa: E402
+
+# log-uniform lr ranges around the seed's grids (its appendix: SGD family {1e-2 .. 3e-1}, AdamW
+# family {1e-4 .. 1e-3}), widened about 3x on each side
+SGD_LR_RANGE = (3e-3, 1.0)
+ADAM_LR_RANGE = (3e-5, 3e-3)
+TAU_RANGE = (0.1, 1.0)
+GAMMA_RANGE = (0.0, 1.0)
+
+Objective = Callable[[str, list[str], int], float]  # (method, overrides, trial number) -> score
+
+
+class TrialFailed(RuntimeError):
+    """A trial's run could not give a score (not launched, timed out): told to Optuna as FAIL."""
+
+
+def tunes_trust(method: str) -> bool:
+    """Whether the method's trust modulation is on, so tau/gamma/scale_matched change it
+    (FedAdamW accepts the keys but ignores them)."""
+    algorithm = ALGORITHMS[method]
+    return "tau" in algorithm.uses and algorithm.required.get("trust_signal") != "none"
+
+
+def default_lr_range(method: str) -> tuple[float, float]:
+    """ADAM_LR_RANGE for methods with a local Adam (they read ``betas``), else SGD_LR_RANGE."""
+    return ADAM_LR_RANGE if "betas" in ALGORITHMS[method].uses else SGD_LR_RANGE
+
+
+def suggest(trial: optuna.Trial, method: str, lr_range: tuple[float, float] | None = None) -> list[str]:
+    """The trial's Hydra overrides for ``method`` (see the module docstring for the space)."""
+    lr_range = lr_range or default_lr_range(method)
+    overrides = [f"algorithm.lr={trial.suggest_float('lr', *lr_range, log=True)!r}"]
+    if tunes_trust(method):
+        overrides += [f"algorithm.tau={trial.suggest_float('tau', *TAU_RANGE)!r}",
+                      f"algorithm.gamma={trial.suggest_float('gamma', *GAMMA_RANGE)!r}",
+                      f"algorithm.scale_matched={str(trial.suggest_categorical('scale_matched', [False, True])).lower()}"]
+    return overrides
+
+
+def tune_method(method: str, objective: Objective, trials: int, storage: str | None = None,
+                study_name: str | None = None, sampler_seed: int = 0,
+                lr_range: tuple[float, float] | None = None) -> optuna.Study:
+    """Ask/tell until the method's study has ``trials`` finished trials (a persisted study is
+    continued); returns the study."""
+    study = optuna.create_study(direction="maximize", storage=storage, study_name=study_name or method,
+                                load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=sampler_seed))
+    while len(finished := study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
+                                                                   optuna.trial.TrialState.FAIL))) < trials:
+        trial = study.ask()
+        overrides = suggest(trial, method, lr_range)
+        trial.set_user_attr("overrides", overrides)
+        try:
+            value = objective(method, overrides, trial.number)
+        except TrialFailed as err:
+            trial.set_user_attr("error", str(err)[-1000:])
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            print(f"[tune] {method} trial {trial.number} ({len(finished) + 1}/{trials}): failed: {err}", flush=True)
+            continue
+        study.tell(trial, value)
+        print(f"[tune] {method} trial {trial.number} ({len(finished) + 1}/{trials}): {value:.4f} "
+              f"({' '.join(overrides)}); best {study.best_value:.4f}", flush=True)
+    return study
+
+
+def best_overrides(study: optuna.Study) -> list[str]:
+    """The overrides of the study's best trial."""
+    return list(study.best_trial.user_attrs["overrides"])
+
+
+def flower_objective(jobs_dir: Path, shared: Sequence[str], seeds: Sequence[int], holdout: float,
+                     launch, kind: str = "final") -> Objective:
+    """The real objective: one study job per tuning seed (the shared overrides, then
+    ``dataset.holdout_fraction``, the method and the trial's overrides), scored by the mean of
+    their final (``kind`` best: best) ``val_accuracy``."""
+    if not 0 < holdout < 1:
+        raise ValueError(f"--holdout must be in (0, 1), got {holdout}: tuning needs a validation split")
+
+    def objective(method: str, overrides: list[str], number: int) -> float:
+        scores = []
+        for seed in seeds:
+            job_overrides = (*shared, f"dataset.holdout_fraction={holdout}", f"algorithm={method}", *overrides,
+                             f"seed={seed}")
+            job = study_script.Job(study_script.job_name(method, [f"t{number}"], seed, job_overrides), job_overrides)
+            row = study_script.run_job(jobs_dir, job, launch)
+            scores.append(run_score(jobs_dir / job.name, row, kind))
+        return statistics.mean(scores)
+
+    return objective
+
+
+def run_score(job_dir: Path, row: dict, kind: str) -> float:
+    """A tuning job's ``val_accuracy`` (final or best); 0 for a run that failed (diverged);
+    TrialFailed when it was not run or timed out, or evaluated no validation split."""
+    if row["status"] == "failed":
+        return 0.0
+    if row["status"] != "completed":
+        raise TrialFailed(f"job {row['job']}: {row['status']}: {row.get('error', '')}")
+    value = load_run(job_dir / Path(row["run_dir"]).name).value("val_accuracy", kind)
+    if value is None or math.isnan(value):
+        raise TrialFailed(f"job {row['job']}: no val_accuracy (dataset.holdout_fraction was 0?)")
+    return value
+
+
+def write_tuned(path: Path, studies: dict[str, optuna.Study], seeds: Sequence[int], objective: str) -> None:
+    """``tuned.yaml``: what scripts/study.py --tuned reads (methods -> overrides, seeds) and the scores."""
+    tuned = {
+        "objective": objective,
+        "seeds": list(seeds),
+        "methods": {method: best_overrides(s) for method, s in studies.items()},
+        "scores": {method: round(float(s.best_value), 6) for method, s in studies.items()},
+        "trials": {method: len(s.trials) for method, s in studies.items()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# written by scripts/tune.py; use with scripts/study.py run --tuned\n"
+                    + yaml.safe_dump(tuned, sort_keys=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    shared = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for jobs/ and tuned.yaml")
+    parser.add_argument("--methods", nargs="+", required=True, choices=list(METHODS))
+    parser.add_argument("--trials", type=int, default=20, help="finished trials per method (default 20)")
+    parser.add_argument("--seeds", nargs="+", default=["1000"], help="tuning seeds (default 1000), none of the study's")
+    parser.add_argument("--holdout", type=float, default=0.1, help="dataset.holdout_fraction (default 0.1)")
+    parser.add_argument("--metric", choices=("final", "best"), default="final", help="val_accuracy at the end or best")
+    parser.add_argument("--lr-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help=f"lr range of every method (default: {ADAM_LR_RANGE} for local-Adam methods, "
+                             f"{SGD_LR_RANGE} for the SGD family)")
+    parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///tuning/optuna.db")
+    parser.add_argument("--study-name", default="fedact-tune", help="prefix of the Optuna study names")
+    parser.add_argument("--sampler-seed", type=int, default=0)
+    parser.add_argument("--num-gpus", type=float, default=0.0)
+    parser.add_argument("--num-cpus", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=86400.0, help="seconds per run")
+    args = parser.parse_args(argv)
+    seeds = study_script.parse_seeds(args.seeds)
+    launch = study_script.sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout)
+    try:
+        objective = flower_objective(args.out / "jobs", shared, seeds, args.holdout, launch, args.metric)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    studies = {}
+    for method in args.methods:
+        studies[method] = tune_method(method, objective, args.trials, args.storage,
+                                      f"{args.study_name}-{method}", args.sampler_seed,
+                                      tuple(args.lr_range) if args.lr_range else None)
+    if failed := [m for m, s in studies.items() if not any(t.value is not None for t in s.trials)]:
+        print(f"error: no trial of {', '.join(failed)} finished: see {args.out / 'jobs' / 'summary.md'}",
+              file=sys.stderr)
+        return 1
+    description = (f"{args.metric} val_accuracy (dataset.holdout_fraction={args.holdout}), mean over the "
+                   f"tuning seeds; shared overrides: {' '.join(shared)}")
+    write_tuned(args.out / "tuned.yaml", studies, seeds, description)
+    print((args.out / "tuned.yaml").read_text())
+    print(json.dumps({m: s.best_value for m, s in studies.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""scripts/tune.py: Optuna ask/tell over a stub objective (no Flower here), the search space, the
+scoring of a run on val_accuracy only, and the tuned file the study reads."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+APP_DIR = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(APP_DIR / "scripts"))
+
+import study  # noqa: E402
+import tune  # noqa: E402
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def stub_objective(calls: list):
+    """Scores a trial by how close its lr is to 1e-3 (log scale); records every call."""
+
+    def objective(method, overrides, number):
+        calls.append((method, overrides, number))
+        lr = float(next(o for o in overrides if o.startswith("algorithm.lr=")).split("=")[1])
+        return -abs(math.log10(lr) + 3)
+
+    return objective
+
+
+def test_two_trials_per_method_through_ask_and_tell_and_a_tuned_file_the_study_takes(tmp_path):
+    calls = []
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    studies = {m: tune.tune_method(m, stub_objective(calls), trials=2, storage=storage, study_name=f"t-{m}")
+               for m in ("fedact", "fedavg")}
+    assert [(m, n) for m, _, n in calls] == [("fedact", 0), ("fedact", 1), ("fedavg", 0), ("fedavg", 1)]
+    fedact_keys = {o.split("=")[0] for o in calls[0][1]}
+    assert fedact_keys == {"algorithm.lr", "algorithm.tau", "algorithm.gamma", "algorithm.scale_matched"}
+    assert {o.split("=")[0] for o in calls[2][1]} == {"algorithm.lr"}  # FedAvg: the lr only
+    for method, overrides, _ in calls:  # each family in its own range
+        low, high = tune.ADAM_LR_RANGE if method == "fedact" else tune.SGD_LR_RANGE
+        assert low <= float(overrides[0].split("=")[1]) <= high
+    best = max(calls[:2], key=lambda c: stub_objective([])(*c))
+    assert tune.best_overrides(studies["fedact"]) == best[1]
+
+    tuned_file = tmp_path / "tuned.yaml"
+    tune.write_tuned(tuned_file, studies, [1000, 1001], "stub")
+    jobs = study.study_jobs(["fedact", "fedavg"], [0], [], ["num_rounds=2"], study.read_tuned(tuned_file))
+    assert jobs[0].overrides == ("num_rounds=2", "algorithm=fedact", *best[1], "seed=0")
+    with pytest.raises(ValueError, match="tuning seeds"):
+        study.study_jobs(["fedact"], [1001], [], [], study.read_tuned(tuned_file))
+    for job in jobs:  # the tuned overrides compose into a valid config
+        assert study.compose_dict(job.overrides).algorithm.name in ("fedact", "fedavg")
+
+    # the persisted study is continued: one more trial makes three, not 2 + 3
+    tune.tune_method("fedavg", stub_objective(calls), trials=3, storage=storage, study_name="t-fedavg")
+    assert len(calls) == 5 and calls[-1][2] == 2
+
+
+def test_a_trial_whose_run_did_not_finish_is_told_fail_and_tuning_goes_on():
+    outcomes = iter([tune.TrialFailed("launch error"), 0.5])
+
+    def objective(method, overrides, number):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    result = tune.tune_method("fedadamw", objective, trials=2)
+    states = [t.state for t in result.trials]
+    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE]
+    assert result.trials[0].user_attrs["error"] == "launch error" and result.best_value == 0.5
+    assert not tune.tunes_trust("fedadamw") and tune.tunes_trust("fedact_local")
+
+
+def write_job(job_dir: Path, status: str, val: list | None) -> dict:
+    run_dir = job_dir / "20260101-000000_fedact_digits_cnn_small_dir0.6_s1000"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("dataset: {name: digits}\nmodel: {name: cnn_small}\n"
+                                         "partition: {name: dirichlet, alpha: 0.6}\nalgorithm: {name: fedact}\nseed: 1000\n")
+    rows = [{"round": r, "test_accuracy": 0.99} if val is None else {"round": r, "val_accuracy": v}
+            for r, v in enumerate(val or [0.2, 0.3])]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"job": job_dir.name, "status": status, "run_dir": str(run_dir), "error": ""}
+
+
+def test_a_run_is_scored_on_val_accuracy_only(tmp_path):
+    row = write_job(tmp_path / "a", "completed", [0.2, 0.6, 0.5])
+    assert tune.run_score(tmp_path / "a", row, "final") == 0.5
+    assert tune.run_score(tmp_path / "a", row, "best") == 0.6
+    test_only = write_job(tmp_path / "b", "completed", None)  # a run that evaluated the test split
+    with pytest.raises(tune.TrialFailed, match="no val_accuracy"):
+        tune.run_score(tmp_path / "b", test_only, "final")
+    assert tune.run_score(tmp_path / "c", {"job": "c", "status": "failed"}, "final") == 0.0  # diverged
+    with pytest.raises(tune.TrialFailed, match="timed out"):
+        tune.run_score(tmp_path / "d", {"job": "d", "status": "timed out"}, "final")
+    with pytest.raises(ValueError, match="validation split"):
+        tune.flower_objective(tmp_path, [], [1000], 0.0, study.sweep.LaunchOptions())
