@@ -26,7 +26,7 @@ rounded mean, so they stay integers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,6 +36,7 @@ from torch import Tensor
 from fedact_app.baselines import FedLADAAdam, LocalSGD
 from fedact_app.diagnostics import adam_direction
 from fedact_app.optim import FedACTAdamW
+from fedact_app.registry import METHODS, MethodSpec
 
 TensorDict = dict[str, Tensor]
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
@@ -434,14 +435,20 @@ class FedACTServer(MeanServer):
 
 @dataclass(frozen=True)
 class Algorithm:
-    """A method: its client rule, its server rule, the algorithm config keys it reads and the
-    values it fixes. Config validation rejects a key the method does not read unless it is left
-    at its schema default, so no setting is ignored silently."""
+    """A method: its client rule, its server rule, and its spec (fedact_app.registry.METHODS:
+    the algorithm config keys it reads and the values it fixes)."""
 
     local: Callable[..., LocalRule]
     server: Callable[..., ServerRule]
-    uses: frozenset[str]
-    required: dict = field(default_factory=dict)  # algorithm config values the method fixes
+    spec: MethodSpec
+
+    @property
+    def uses(self) -> frozenset[str]:
+        return self.spec.uses
+
+    @property
+    def required(self) -> Mapping:
+        return self.spec.required
 
     @property
     def samples_trust_scores(self) -> bool:
@@ -450,22 +457,16 @@ class Algorithm:
         return self.local.last_step_direction is not LocalRule.last_step_direction
 
 
-_COMMON = frozenset({"lr", "lr_min", "weight_decay", "server_lr", "weighting"})
-_ADAM = frozenset({"betas", "eps"})
-_TRUST = frozenset({"rho", "tau", "alpha", "gamma", "trust_scope", "trust_signal", "scale_matched",
-                    "fused", "compile"})
-_FEDACT = _COMMON | _ADAM | _TRUST
-
-ALGORITHMS: dict[str, Algorithm] = {
-    "fedavg": Algorithm(SGDLocal, MeanServer, _COMMON),
-    "fedprox": Algorithm(SGDLocal, MeanServer, _COMMON | {"mu"}),
-    "scaffold": Algorithm(ScaffoldLocal, ScaffoldServer, _COMMON),
-    "fedadam": Algorithm(SGDLocal, FedAdamServer, _COMMON | {"server_betas", "server_eps"}),
-    "localadam": Algorithm(AdamLocal, MeanServer, _COMMON | _ADAM),
-    "localadamw": Algorithm(AdamWLocal, MeanServer, _COMMON | _ADAM),
-    "fedlada": Algorithm(FedLADALocal, FedACTServer, _COMMON | _ADAM | {"rho"}),
-    # FedAdamW reads (and validates) the trust keys too, but with phi = 1 they change nothing.
-    "fedadamw": Algorithm(FedACTLocal, FedACTServer, _FEDACT, {"trust_signal": "none"}),
-    "fedact_local": Algorithm(FedACTLocal, FedACTServer, _FEDACT, {"trust_signal": "local"}),
-    "fedact": Algorithm(FedACTLocal, FedACTServer, _FEDACT, {"trust_signal": "corrected"}),
+RULES: dict[str, tuple[Callable[..., LocalRule], Callable[..., ServerRule]]] = {
+    "fedavg": (SGDLocal, MeanServer),
+    "fedprox": (SGDLocal, MeanServer),
+    "scaffold": (ScaffoldLocal, ScaffoldServer),
+    "fedadam": (SGDLocal, FedAdamServer),
+    "localadam": (AdamLocal, MeanServer),
+    "localadamw": (AdamWLocal, MeanServer),
+    "fedlada": (FedLADALocal, FedACTServer),
+    "fedadamw": (FedACTLocal, FedACTServer),  # trust_signal "none": phi = 1
+    "fedact_local": (FedACTLocal, FedACTServer),  # trust_signal "local"
+    "fedact": (FedACTLocal, FedACTServer),  # trust_signal "corrected"
 }
+ALGORITHMS: dict[str, Algorithm] = {name: Algorithm(*RULES[name], METHODS[name]) for name in METHODS}

@@ -18,6 +18,7 @@ from fedact_app.algorithms import TensorDict
 from fedact_app.checkpoint import persist_client_state, restored_client_state
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import Config, compose
+from fedact_app.registry import FILE_DATASETS
 from fedact_app.sampling import CLIENT_NAME, IDENTITY_RECORD, PARTITION_ID
 from fedact_app.wire import array_record
 
@@ -25,8 +26,6 @@ app = ClientApp()
 
 
 DATA_PATH_KEY = "data-path"
-# read from dataset.path: image datasets, local text, Alpaca-style and HH-RLHF-style records
-FILE_DATASETS = ("cifar10", "cifar100", "tiny_imagenet", "fashion_mnist", "text", "alpaca_gpt4", "hh_rlhf")
 
 
 def node_data(context: Context, cfg: Config) -> tuple[int, int, str | None]:

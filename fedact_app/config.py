@@ -20,27 +20,15 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from fedact_app.registry import (BUILTIN_DATASETS, DATASETS, LORA_MODELS, METHODS, MODELS, TASK_CHOICES, TASKS,
+                                 WEIGHTINGS, hyperparameter_errors)
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-VISION_DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "tiny_imagenet", "fashion_mnist")
-VISION_MODELS = ("cnn_small", "vit_tiny", "swin_lite", "resnet18")
-LLAMA_MODELS = ("llama_60m", "llama_130m", "llama_250m", "llama_tiny")  # fedact_app.tasks.llama.PRESETS
-LORA_MODELS = ("lora_causal_lm",)  # a causal LM (model.base) with LoRA adapters (fedact_app.tasks.lora)
-# task -> (its datasets, its models): the combinations Config accepts
-TASK_CHOICES = {
-    "vision": (VISION_DATASETS, VISION_MODELS),
-    "lm_pretrain": (("c4", "text"), LLAMA_MODELS),
-    "sft": (("alpaca_gpt4",), LORA_MODELS),
-    "dpo": (("hh_rlhf",), LORA_MODELS),
-}
-DATASETS = tuple(dict.fromkeys(d for datasets, _ in TASK_CHOICES.values() for d in datasets))
-BUILTIN_DATASETS = ("digits", "synthetic")  # made in the process: no files, dataset.path does not apply
-MODELS = tuple(dict.fromkeys(m for _, models in TASK_CHOICES.values() for m in models))
 PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
-WEIGHTINGS = ("uniform", "examples")
 
 
 class ConfigError(ValueError):
@@ -192,7 +180,7 @@ class AlgorithmConfig:
 
     ``lr`` (the local learning rate) decays over rounds by a cosine to ``lr_min`` and is constant
     inside a round. ``alpha``/``gamma`` null mean the seed's defaults 1/tau and tau. Each method
-    reads only some keys (``ALGORITHMS[name].uses``; docs/METHODS.md lists them); a key it does not
+    reads only some keys (``fedact_app.registry.METHODS[name].uses``; docs/METHODS.md lists them); a key it does not
     read must stay at the default below, so nothing set by a user is ignored silently.
     """
 
@@ -218,32 +206,24 @@ class AlgorithmConfig:
     fused: Optional[bool] = None  # FedACT family: torch's fused AdamW/SGD kernels; None: on for CPU (optim.py)
 
     def __post_init__(self) -> None:
-        from fedact_app.algorithms import ALGORITHMS  # registry of method names
-
         _require_finite(self, "algorithm.")
-        _require_choice("algorithm.name", self.name, tuple(ALGORITHMS))
-        algorithm = ALGORITHMS[self.name]
-        for key, value in algorithm.required.items():
+        _require_choice("algorithm.name", self.name, tuple(METHODS))
+        method = METHODS[self.name]
+        for key, value in method.required.items():
             _require(getattr(self, key) == value, f"algorithm.{key}", getattr(self, key),
                      f"{value!r} for algorithm {self.name} (choose another algorithm instead)")
-        self._require_unused_at_default(algorithm.uses)
+        self._require_unused_at_default(method.uses)
+        # a run's own rules, stricter than the optimizers' ranges (fedact_app.registry.RANGES):
+        # lr = 0 trains nothing, and every method that reads eps divides by it (Adam's
+        # m / (sqrt(v) + eps), where v = 0 for a coordinate without gradient; FedLADA's v_hat
+        # floor eps^2); the others keep the default
         _require(self.lr > 0, "algorithm.lr", self.lr, "> 0")
         _require(0 <= self.lr_min <= self.lr, "algorithm.lr_min", self.lr_min, f"in [0, lr={self.lr}]")
-        _require(len(self.betas) == 2, "algorithm.betas", self.betas, "two values [beta1, beta2]")
-        _require(all(0 <= b < 1 for b in self.betas), "algorithm.betas", self.betas, "each in [0, 1)")
-        # every method that reads eps divides by it (Adam's m / (sqrt(v) + eps), where v = 0 for a
-        # coordinate without gradient; FedLADA's v_hat floor eps^2); the others keep the default
         _require(self.eps > 0, "algorithm.eps", self.eps, "> 0")
-        _require(self.weight_decay >= 0, "algorithm.weight_decay", self.weight_decay, ">= 0")
-        _require(0 <= self.rho <= 1, "algorithm.rho", self.rho, "in [0, 1]")
-        _require(0 < self.tau <= 1, "algorithm.tau", self.tau, "in (0, 1]")
-        alpha = 1.0 / self.tau if self.alpha is None else self.alpha
-        gamma = self.tau if self.gamma is None else self.gamma
-        _require(gamma >= 0, "algorithm.gamma", gamma, ">= 0")
-        _require(alpha >= gamma, "algorithm.alpha", alpha, f">= gamma ({gamma})")
-        _require_choice("algorithm.trust_scope", self.trust_scope, ("global", "tensor"))
-        _require_choice("algorithm.trust_signal", self.trust_signal, ("corrected", "local", "none"))
-        _require(self.mu >= 0, "algorithm.mu", self.mu, ">= 0")
+        self._require_ranges(betas=self.betas, weight_decay=self.weight_decay, rho=self.rho, tau=self.tau)
+        self._require_ranges(gamma=self.tau if self.gamma is None else self.gamma,
+                             alpha=1.0 / self.tau if self.alpha is None else self.alpha,
+                             trust_scope=self.trust_scope, trust_signal=self.trust_signal, mu=self.mu)
         _require(self.server_lr > 0, "algorithm.server_lr", self.server_lr, "> 0")
         _require(len(self.server_betas) == 2, "algorithm.server_betas", self.server_betas,
                  "two values [beta1, beta2]")
@@ -251,6 +231,12 @@ class AlgorithmConfig:
                  self.server_betas, "each in [0, 1)")
         _require(self.server_eps > 0, "algorithm.server_eps", self.server_eps, "> 0")
         _require_choice("algorithm.weighting", self.weighting, WEIGHTINGS)
+
+    @staticmethod
+    def _require_ranges(**values: Any) -> None:
+        """The optimizers' own ranges (``fedact_app.registry.hyperparameter_errors``)."""
+        for name, value, allowed in hyperparameter_errors(**values):
+            _require(False, f"algorithm.{name}", value, allowed)
 
     def _require_unused_at_default(self, uses: frozenset[str]) -> None:
         """A key the method does not read must keep its schema default (else it would be ignored)."""
@@ -308,7 +294,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     language: LanguageConfig = field(default_factory=LanguageConfig)
-    task: str = "vision"  # what is trained (fedact_app.tasks.base.TASKS)
+    task: str = "vision"  # what is trained (fedact_app.registry.TASKS)
     num_rounds: int = 5
     num_clients: int = 10
     fraction_train: float = 0.5
@@ -344,8 +330,6 @@ class Config:
         _require(self.min_train_nodes <= self.num_clients, "min_train_nodes", self.min_train_nodes,
                  f"<= num_clients ({self.num_clients})")
         _require(self.round_timeout > 0, "round_timeout", self.round_timeout, "> 0")
-        from fedact_app.tasks.base import TASKS  # registry of task names
-
         _require_choice("task", self.task, tuple(TASKS))
         self._require_task_combination()
         _require_choice("device", self.device, DEVICES)

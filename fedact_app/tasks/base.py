@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from fedact_app.config import Config
+from fedact_app.registry import TASKS
 
 
 class BatchSource(Protocol):
@@ -64,15 +65,6 @@ class Task(ABC):
     def evaluate_client(self, model: nn.Module, partition_id: int, num_partitions: int,
                         device: torch.device) -> tuple[dict[str, float], int]:
         """Metrics of ``model`` on one client's share of the held-out data, and its size."""
-
-
-# name -> "module:class", imported on use
-TASKS = {
-    "vision": "fedact_app.tasks.vision:VisionTask",
-    "lm_pretrain": "fedact_app.tasks.language:PretrainTask",
-    "sft": "fedact_app.tasks.language:SFTTask",
-    "dpo": "fedact_app.tasks.language:DPOTask",
-}
 
 
 def build_task(cfg: Config) -> Task:
