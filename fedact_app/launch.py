@@ -620,7 +620,7 @@ def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
 def check_local_files(cfg: Any) -> None:
     """ConfigError (a ValueError) for a FedACT config's values that name files this machine lacks:
     ``resume`` (the checkpoint.resolve_resume check the ServerApp makes) and, for ``task=vision``,
-    ``dataset.path`` (data.check_local_path). ``compose()`` cannot check them, since on a SuperNode
+    ``dataset.path`` (tasks.vision.splits.check_local_path). ``compose()`` cannot check them, since on a SuperNode
     they name that node's files; in simulation the ServerApp and every ClientApp run here, with
     the launcher's working directory. Language tasks' local files are not checked here."""
     if cfg.resume is not None:
@@ -628,7 +628,7 @@ def check_local_files(cfg: Any) -> None:
 
         resolve_resume(cfg.resume)
     if cfg.task == "vision" and cfg.dataset.path is not None:
-        from fedact_app.data import check_local_path  # datasets: ~0.6 s, only when there is a path
+        from fedact_app.tasks.vision.splits import check_local_path  # datasets: ~0.6 s, only when there is a path
 
         check_local_path(cfg.dataset)
 

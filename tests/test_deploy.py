@@ -477,7 +477,7 @@ def test_cluster_status_and_down_stop_every_process(deployment):
 # --------------------------------------------------------------------------------------------
 def _write_site(folder: Path, n_train: int, n_test: int, label: int, seed: int) -> None:
     """``<folder>/train.parquet`` and ``test.parquet``: 28x28 grayscale PNGs with one label, the
-    layout of ``dataset.path`` (fedact_app/data.py) with the columns of dataset=fashion_mnist."""
+    layout of ``dataset.path`` (fedact_app/tasks/vision/splits.py) with the columns of dataset=fashion_mnist."""
     import datasets
     import numpy as np
     from PIL import Image

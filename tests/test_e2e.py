@@ -124,7 +124,7 @@ def test_bf16_wire_autocast_and_channels_last_run(job, runs):
     """The speed options through real Flower: v_bar and Delta_G travel in 2 bytes per value (round 2
     is the first with them), bf16 autocast and channels_last train, nothing is rejected."""
     from fedact_app.config import compose
-    from fedact_app.models import build_model
+    from fedact_app.tasks.vision.models import build_model
 
     _, rows = job
     fp32_rows = [json.loads(line) for line in (run_dir(runs["fedact"][0]) / "metrics.jsonl").read_text().splitlines()]
