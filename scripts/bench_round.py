@@ -7,7 +7,7 @@
 Both sides do the same work per round: all S clients (``fraction_train=1``) run K local FedACT
 steps on their own partition, then the server aggregates (x, v_bar, Delta_G).
 
-- Flower: ``fedact_app.launch.run_simulation`` runs the app on a private SuperLink; a round's
+- Flower: ``fedact_app.cli.launch.run_simulation`` runs the app on a private SuperLink; a round's
   wall time is the ``seconds`` of its row in the run's ``metrics.jsonl`` (the ServerApp's
   round loop: messages out, client work, replies in, aggregation).
 - Plain loop: the same pieces in this process (``fedact_app.tasks.vision`` partitions and batches,
@@ -54,7 +54,7 @@ from fedact_app.config import Config, compose  # noqa: E402
 from fedact_app.tasks.vision.batches import BatchStream  # noqa: E402
 from fedact_app.tasks.vision.data import load_client_train  # noqa: E402
 from fedact_app.diagnostics import direction_consistency, global_norm  # noqa: E402
-from fedact_app.launch import run_simulation  # noqa: E402
+from fedact_app.cli.launch import run_simulation  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402

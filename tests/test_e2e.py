@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedact_app.algorithms import ALGORITHMS
-from fedact_app.launch import run_simulation
+from fedact_app.cli.launch import run_simulation
 
 # The module fixture runs every selected job inside the first test's setup, which pytest-timeout
 # counts against that test: allow for all of them on a slow 2-core machine (about 12 runs of

@@ -24,7 +24,7 @@ from PIL import Image
 
 from fedact_app.tasks.vision import data, partition, splits
 from fedact_app.config import compose
-from fedact_app.launch import run_simulation
+from fedact_app.cli.launch import run_simulation
 
 APP_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(APP_DIR / "scripts" / "data"))
