@@ -80,7 +80,7 @@ def node_partition(context: Context, num_clients: int) -> tuple[int, int]:
             f"num-partitions={num_partitions} in this SuperNode's node config differs from "
             f"num_clients={num_clients} in the run config: one SuperNode per client. Set "
             f"num_clients={num_partitions} in the overrides, or run {num_clients} SuperNodes: in "
-            f"simulation `python -m fedact_app.launch --num-supernodes {num_clients}` or `flwr run "
+            f"simulation `python -m fedact_app.cli.launch --num-supernodes {num_clients}` or `flwr run "
             f"--federation-config \"num-supernodes={num_clients}\"`; in a deployment each started with "
             f"--node-config \"partition-id=<i> num-partitions={num_clients}\".")
     if not 0 <= partition_id < num_partitions:

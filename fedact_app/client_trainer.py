@@ -20,10 +20,9 @@ from flwr.common import log
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorDict
 from fedact_app.config import Config, PartitionConfig, compose
-from fedact_app.data import batch_generator
 from fedact_app.diagnostics import TrustProbe
 from fedact_app.tasks.base import build_task
-from fedact_app.train import memory_format, resolve_device, train_steps
+from fedact_app.train import batch_generator, memory_format, resolve_device, train_steps
 from fedact_app.wire import from_wire
 
 

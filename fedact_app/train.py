@@ -7,9 +7,19 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+def batch_generator(seed: int, server_round: int, partition_id: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator on ``device`` seeded from (seed, server_round, partition_id): the random
+    stream of one client's round (its batches, for every task)."""
+    state = np.random.SeedSequence([seed % 2**63, server_round, partition_id]).generate_state(1, np.uint64)[0]
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(state) % 2**63)
+    return generator
 
 
 def resolve_device(device: str) -> torch.device:

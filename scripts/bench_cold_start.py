@@ -9,9 +9,10 @@ receives, so a SuperNode's client is cold in every round; a simulation client (a
 cold only in its first. Each repeat here runs a fresh Python process that does what the
 ClientApp's train handler does for partition 0 in round 1 and times its phases:
 
-- imports: ``fedact_app.client_app`` (torch, Flower, datasets; not what Flower itself imports
-  before it loads the app);
-- trainer: the run config, the model and the optimizer (``trainer_for``);
+- imports: ``fedact_app.client_app`` (torch, Flower; not what Flower itself imports before it
+  loads the app);
+- trainer: the run config, the task (its data libraries: datasets for vision), the model and the
+  optimizer (``trainer_for``);
 - data: the splits, the partition and the decoding of the client's rows;
 - round: the K local steps and the reply's arrays (``ClientTrainer.train_round``);
 - warm round: the same round again in the same process, what a simulation client pays from
@@ -49,7 +50,7 @@ def child(overrides: str) -> dict[str, float]:
         times[name], mark = now - mark, now
 
     import fedact_app.client_app  # noqa: F401  (what the ClientApp process imports)
-    from fedact_app import data
+    from fedact_app.tasks.vision import data
     from fedact_app.client_trainer import trainer_for
     lap("imports")
     trainer = trainer_for(overrides)

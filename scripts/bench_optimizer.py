@@ -4,7 +4,7 @@
     python scripts/bench_optimizer.py --device cuda --repeats 50
     python scripts/bench_optimizer.py --quick               # seconds: cnn_small, few repeats (CI smoke)
 
-For each model (built by ``fedact_app.models.build_model`` for ``--dataset``) and device it times,
+For each model (built by ``fedact_app.tasks.vision.models.build_model`` for ``--dataset``) and device it times,
 side by side, ``step()`` of
 
 - ``AdamW foreach`` — ``torch.optim.AdamW(foreach=True)``, the reference of every ratio;
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fedact_app.config import compose  # noqa: E402
-from fedact_app.models import build_model  # noqa: E402
+from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 
 REFERENCE = "AdamW foreach"

@@ -7,11 +7,11 @@
 Both sides do the same work per round: all S clients (``fraction_train=1``) run K local FedACT
 steps on their own partition, then the server aggregates (x, v_bar, Delta_G).
 
-- Flower: ``fedact_app.launch.run_simulation`` runs the app on a private SuperLink; a round's
+- Flower: ``fedact_app.cli.launch.run_simulation`` runs the app on a private SuperLink; a round's
   wall time is the ``seconds`` of its row in the run's ``metrics.jsonl`` (the ServerApp's
   round loop: messages out, client work, replies in, aggregation).
-- Plain loop: the same pieces in this process (``fedact_app.data`` partitions and batches,
-  ``fedact_app.models``, ``fedact_app.optim.FedACTAdamW``, ``fedact_app.train.train_steps``,
+- Plain loop: the same pieces in this process (``fedact_app.tasks.vision`` partitions and batches,
+  ``fedact_app.tasks.vision.models``, ``fedact_app.optim.FedACTAdamW``, ``fedact_app.train.train_steps``,
   the method's server rule from ``fedact_app.algorithms``), clients one after the other.
 
 Round 1 (process and data start-up) and the last round (it also evaluates the global model)
@@ -51,10 +51,11 @@ from flwr.app import MetricRecord, RecordDict  # noqa: E402
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, ServerRule, TensorDict  # noqa: E402
 from fedact_app.config import Config, compose  # noqa: E402
-from fedact_app.data import BatchStream, batch_generator, load_client_train  # noqa: E402
+from fedact_app.tasks.vision.batches import BatchStream  # noqa: E402
+from fedact_app.tasks.vision.data import load_client_train  # noqa: E402
 from fedact_app.diagnostics import direction_consistency, global_norm  # noqa: E402
-from fedact_app.launch import run_simulation  # noqa: E402
-from fedact_app.models import build_model  # noqa: E402
+from fedact_app.cli.launch import run_simulation  # noqa: E402
+from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
 from fedact_app.train import cosine_lr, resolve_device, train_steps  # noqa: E402

@@ -8,7 +8,7 @@
 ``run`` makes one job per (setting of ``--grid``, method, seed): the overrides after ``--``, then the
 setting's, then ``algorithm=<method>`` (and the method's tuned overrides from ``--tuned``, written by
 scripts/tune.py), then ``seed=<seed>``. Jobs run one after another, each as its own Flower run
-through scripts/sweep.py's runner (``fedact_app.launch.run_simulation``), in
+through scripts/sweep.py's runner (``fedact_app.cli.launch.run_simulation``), in
 ``<out>/jobs/<job>/`` with the sweep's ``result.json``, ``flower.log`` and the run folder; the job's
 name says its method, setting and seed. A job whose folder already holds a completed run of the
 same overrides is skipped (``--rerun`` runs it again), so an interrupted study continues where it

@@ -6,7 +6,7 @@
 
 Hydra expands the overrides (``-m``; ``a=x,y`` sweeps a key; ``hydra.sweeper.params`` in an
 ``experiment=`` preset sweeps its grid) and calls :func:`main` once per combination. Each one is
-validated (fedact_app.config) and then run by ``fedact_app.launch.run_simulation`` on its own private
+validated (fedact_app.config) and then run by ``fedact_app.cli.launch.run_simulation`` on its own private
 SuperLink with ``num_clients`` SuperNodes: a run that fails, times out or has an invalid value is
 recorded and the sweep goes on. A value Hydra itself cannot compose (an unknown key, a wrong type)
 stops the sweep before any run starts: Hydra composes every combination first.
@@ -54,7 +54,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from fedact_app.config import CONF_DIR, to_config  # noqa: E402  (also registers the schema)
-from fedact_app.launch import run_simulation  # noqa: E402
+from fedact_app.cli.launch import run_simulation  # noqa: E402
 
 DEFAULT_DIR = "sweeps/${now:%Y%m%d-%H%M%S}"
 SUMMARY_COLUMNS = ("job", "status", "final_test_accuracy", "best_test_accuracy", "seconds", "overrides")

@@ -371,7 +371,7 @@ def test_scaffold_c_i_lives_in_each_clients_context_state():
 
     from fedact_app.client_app import CLIENT_STATE_PREFIX, load_client_state, train_content
     from fedact_app.config import compose
-    from fedact_app.models import build_model
+    from fedact_app.tasks.vision.models import build_model
 
     overrides = "algorithm=scaffold num_clients=3 local_steps=3 batch_size=16"
     cfg = compose(overrides)

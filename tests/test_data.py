@@ -1,4 +1,5 @@
-"""Tests of fedact_app/data.py: sources, local layouts of the hub datasets, partitions, batches.
+"""Tests of the vision data (fedact_app/tasks/vision/: splits, partition, tensors, batches, data):
+sources, local layouts of the hub datasets, partitions, batches.
 
 The hub datasets cannot be downloaded here; their loading code runs on locally made parquet files
 and image folders with the hub layouts' exact column and split names.
@@ -15,7 +16,10 @@ import torch
 from PIL import Image
 
 import datasets
-from fedact_app import data
+from fedact_app.tasks.vision import data, partition, splits
+from fedact_app.tasks.vision.batches import BatchStream, _same_device, test_batches
+from fedact_app.tasks.vision.tensors import ImageTensors, to_image_tensors
+from fedact_app.train import batch_generator
 from fedact_app.config import Config, DatasetConfig, PartitionConfig
 
 RGB_STATS = {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]}
@@ -55,9 +59,9 @@ def write_parquet(path, columns: dict) -> None:
 
 
 def test_digits_split_sizes_determinism_and_range():
-    train, test = data.load_splits(digits_cfg(), seed=1)
+    train, test = splits.load_splits(digits_cfg(), seed=1)
     assert (len(train), len(test)) == (1437, 360)
-    train2, test2 = data.load_splits(digits_cfg(), seed=2)  # the split ignores the run seed
+    train2, test2 = splits.load_splits(digits_cfg(), seed=2)  # the split ignores the run seed
     assert np.array_equal(train.with_format("numpy")[:]["image"], train2.with_format("numpy")[:]["image"])
     assert np.array_equal(test.with_format("numpy")[:]["label"], test2.with_format("numpy")[:]["label"])
     images = train.with_format("numpy")[:]["image"]
@@ -77,13 +81,13 @@ def test_digits_tensors_are_normalized():
 
 def test_synthetic_shape_and_determinism():
     cfg = synthetic_cfg(channels=3, mean=[0.0] * 3, std=[1.0] * 3, image_size=6)
-    train, test = data.load_splits(cfg, seed=7)
+    train, test = splits.load_splits(cfg, seed=7)
     assert (len(train), len(test)) == (40, 12)
     a = train.with_format("numpy")[:]
     assert a["image"].shape == (40, 3, 6, 6) and 0.0 <= a["image"].min() and a["image"].max() <= 1.0
     assert np.array_equal(np.bincount(a["label"]), [10, 10, 10, 10])
-    b = data.load_splits(cfg, seed=7)[0].with_format("numpy")[:]
-    c = data.load_splits(cfg, seed=8)[0].with_format("numpy")[:]
+    b = splits.load_splits(cfg, seed=7)[0].with_format("numpy")[:]
+    c = splits.load_splits(cfg, seed=8)[0].with_format("numpy")[:]
     assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["label"], b["label"])
     assert not np.array_equal(a["image"], c["image"])
 
@@ -103,11 +107,11 @@ LABELS = np.repeat(np.arange(10), 200)  # sorted by class, as an image folder is
 
 @pytest.mark.parametrize("part", [PartitionConfig(name="iid"), PartitionConfig(name="dirichlet", alpha=0.3)])
 def test_partitions_deterministic_disjoint_covering(part, monkeypatch):
-    monkeypatch.setenv(data.PARTITION_CACHE_ENV, "")  # draw twice, not draw and read back
-    first = data.partition_indices(LABELS, 10, part, seed=42)
+    monkeypatch.setenv(partition.PARTITION_CACHE_ENV, "")  # draw twice, not draw and read back
+    first = partition.partition_indices(LABELS, 10, part, seed=42)
     data.clear_caches()
-    again = data.partition_indices(LABELS, 10, part, seed=42)
-    other = data.partition_indices(LABELS, 10, part, seed=43)
+    again = partition.partition_indices(LABELS, 10, part, seed=42)
+    other = partition.partition_indices(LABELS, 10, part, seed=43)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert any(not np.array_equal(a, b) for a, b in zip(first, other))
     merged = np.concatenate(first)
@@ -117,7 +121,7 @@ def test_partitions_deterministic_disjoint_covering(part, monkeypatch):
 
 def test_dirichlet_skew_grows_as_alpha_shrinks_and_iid_is_uniform():
     def mean_entropy(part):
-        parts = data.partition_indices(LABELS, 10, part, seed=42)
+        parts = partition.partition_indices(LABELS, 10, part, seed=42)
         return np.mean([label_entropy(LABELS[p], 10) for p in parts])
 
     skewed = mean_entropy(PartitionConfig(name="dirichlet", alpha=0.1))
@@ -125,51 +129,51 @@ def test_dirichlet_skew_grows_as_alpha_shrinks_and_iid_is_uniform():
     iid = mean_entropy(PartitionConfig(name="iid"))
     assert skewed < 0.6 * math.log(10) < 0.95 * math.log(10) < flat
     assert iid > 0.97 * math.log(10)
-    sizes = [len(p) for p in data.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)]
+    sizes = [len(p) for p in partition.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)]
     assert sizes == [200] * 10
 
 
 def test_a_partition_is_kept_on_disk_and_read_back_by_the_next_process(tmp_path, monkeypatch):
-    monkeypatch.setenv(data.PARTITION_CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(partition.PARTITION_CACHE_ENV, str(tmp_path))
     part = PartitionConfig(name="dirichlet", alpha=0.3)
-    drawn = data.partition_indices(LABELS, 10, part, seed=42)
+    drawn = partition.partition_indices(LABELS, 10, part, seed=42)
     (stored,) = (tmp_path / "partitions").iterdir()
     data.clear_caches()  # as a new process: only the file remains
     swapped = drawn[::-1]  # a different valid partition written into the file is what comes back
     np.savez(stored, rows=np.concatenate(swapped), sizes=np.array([p.size for p in swapped]))
-    assert all(np.array_equal(a, b) for a, b in zip(data.partition_indices(LABELS, 10, part, seed=42), swapped))
+    assert all(np.array_equal(a, b) for a, b in zip(partition.partition_indices(LABELS, 10, part, seed=42), swapped))
     for bad in (b"not a zip file", None):  # garbage; an archive that does not fit the labels
         if bad is None:
             np.savez(stored, rows=np.arange(5) + LABELS.size, sizes=np.array([5] + [0] * 9))
         else:
             stored.write_bytes(bad)
         data.clear_caches()
-        assert all(np.array_equal(a, b) for a, b in zip(data.partition_indices(LABELS, 10, part, seed=42), drawn))
-    other_seed = data.partition_indices(LABELS, 10, part, seed=43)
+        assert all(np.array_equal(a, b) for a, b in zip(partition.partition_indices(LABELS, 10, part, seed=42), drawn))
+    other_seed = partition.partition_indices(LABELS, 10, part, seed=43)
     assert len(list((tmp_path / "partitions").iterdir())) == 2  # one file per seed
     assert any(not np.array_equal(a, b) for a, b in zip(other_seed, drawn))
 
 
 def test_the_partition_cache_is_off_with_an_empty_folder_name(tmp_path, monkeypatch):
-    monkeypatch.setenv(data.PARTITION_CACHE_ENV, "")
+    monkeypatch.setenv(partition.PARTITION_CACHE_ENV, "")
     monkeypatch.setenv("HOME", str(tmp_path))  # the default folder would be under here
-    data.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)
+    partition.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_too_many_partitions_is_an_error():
     with pytest.raises(ValueError, match=r"10 examples.*num_partitions=11"):
-        data.partition_indices(np.arange(10) % 2, 11, PartitionConfig(name="iid"), seed=0)
+        partition.partition_indices(np.arange(10) % 2, 11, PartitionConfig(name="iid"), seed=0)
     with pytest.raises(ValueError, match=r"10 examples.*num_partitions=11"):
-        data.partition_indices(np.arange(10) % 2, 11, PartitionConfig(name="dirichlet"), seed=0)
+        partition.partition_indices(np.arange(10) % 2, 11, PartitionConfig(name="dirichlet"), seed=0)
 
 
 def test_client_train_decodes_only_its_partition():
     cfg = Config(dataset=digits_cfg(), partition=PartitionConfig(name="dirichlet", alpha=0.5))
     parts = [data.load_client_train(cfg, i, 4) for i in range(4)]
     assert sum(len(p) for p in parts) == 1437
-    train_labels = data.load_splits(digits_cfg())[0].with_format("numpy")[:]["label"]
-    rows = data.partition_indices(train_labels, 4, cfg.partition, cfg.seed)
+    train_labels = splits.load_splits(digits_cfg())[0].with_format("numpy")[:]["label"]
+    rows = partition.partition_indices(train_labels, 4, cfg.partition, cfg.seed)
     for part, idx in zip(parts, rows):
         assert torch.equal(part.labels, torch.as_tensor(train_labels[idx]))
         assert part.images.shape == (len(idx), 1, 8, 8)
@@ -188,9 +192,9 @@ def test_cifar10_like_parquet_folder(tmp_path):
     write_parquet(root / "test.parquet", {"img": pil_images(5, 32, seed=1), "label": [9, 8, 7, 6, 5]})
     cfg = DatasetConfig(name="cifar10", hub_path="uoft-cs/cifar10", path=str(root), image_column="img",
                         **RGB_STATS)
-    train, test = data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+    train, test = splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
     assert train.column_names == ["image", "label"] and (len(train), len(test)) == (12, 5)
-    tensors = data.to_image_tensors(test, cfg)
+    tensors = to_image_tensors(test, cfg)
     assert tensors.images.shape == (5, 3, 32, 32) and tensors.labels.tolist() == [9, 8, 7, 6, 5]
     raw = np.asarray(pil_images(5, 32, seed=1)[0], dtype=np.float32) / 255.0
     expected = (torch.from_numpy(raw).permute(2, 0, 1) - 0.5) / 0.25
@@ -202,7 +206,7 @@ def test_cifar10_like_single_file_and_split_pattern(tmp_path):
     write_parquet(tmp_path / "c10-test.parquet", {"img": pil_images(2, 32), "label": [4, 5]})
     for path in (tmp_path / "c10-train.parquet", tmp_path / "c10-{split}.parquet"):
         cfg = DatasetConfig(name="cifar10", path=str(path), image_column="img", **RGB_STATS)
-        train, test = data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+        train, test = splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
         assert (len(train), len(test)) == (4, 2)
 
 
@@ -213,7 +217,7 @@ def test_cifar100_like_fine_label_in_split_folders(tmp_path):
                       {"img": pil_images(n, 32), "fine_label": [99, 0, 50, 1, 2, 3][:n], "coarse_label": [19] * n})
     cfg = DatasetConfig(name="cifar100", path=str(root), image_column="img", label_column="fine_label",
                         num_classes=100, **RGB_STATS)
-    train, test = data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+    train, test = splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
     assert train.column_names == ["image", "label"]
     assert train.with_format("numpy")[:]["label"].tolist() == [99, 0, 50, 1, 2, 3]
 
@@ -225,8 +229,8 @@ def test_tiny_imagenet_like_hub_layout_grayscale_to_rgb(tmp_path):
     write_parquet(root / "data" / "valid-00000-of-00001.parquet", {"image": pil_images(2, 64), "label": [1, 2]})
     cfg = DatasetConfig(name="tiny_imagenet", path=str(root), test_split="valid", num_classes=200,
                         image_size=64, **RGB_STATS)
-    train, test = data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
-    tensors = data.to_image_tensors(train, cfg)
+    train, test = splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+    tensors = to_image_tensors(train, cfg)
     assert tensors.images.shape == (4, 3, 64, 64)
     gray = tensors.images[3]
     assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])  # L -> RGB copies the channel
@@ -238,7 +242,7 @@ def test_images_of_another_size_are_resized(tmp_path):
     write_parquet(tmp_path / "test.parquet", {"image": pil_images(1, 40, mode="L"), "label": [1]})
     cfg = DatasetConfig(name="fashion_mnist", path=str(tmp_path), image_size=28, channels=1, mean=[0.286],
                         std=[0.353])
-    test = data.to_image_tensors(data.load_splits(cfg, data_dir=str(tmp_path / "cache"))[1], cfg)
+    test = to_image_tensors(splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))[1], cfg)
     assert test.images.shape == (1, 1, 28, 28)
 
 
@@ -250,17 +254,17 @@ def test_image_folder_layout(tmp_path):
             for i, image in enumerate(pil_images(n, 32, seed=c)):
                 image.save(root / split / class_name / f"{i}.png")
     cfg = DatasetConfig(name="cifar10", path=str(root), image_column="img", **RGB_STATS)
-    train, test = data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+    train, test = splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
     assert (len(train), len(test)) == (9, 6)
     assert sorted(train.with_format("numpy")[:]["label"].tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert data.to_image_tensors(test, cfg).images.shape == (6, 3, 32, 32)
+    assert to_image_tensors(test, cfg).images.shape == (6, 3, 32, 32)
 
 
 def test_hub_dataset_offline_fails_fast_with_a_helpful_message(tmp_path):
     cfg = DatasetConfig(name="cifar10", hub_path="uoft-cs/cifar10", image_column="img", **RGB_STATS)
     start = time.monotonic()
-    with pytest.raises(data.DatasetUnavailableError) as info:
-        data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+    with pytest.raises(splits.DatasetUnavailableError) as info:
+        splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
     assert time.monotonic() - start < 10
     message = str(info.value)
     assert "uoft-cs/cifar10" in message and "dataset.path=" in message and "offline" in message
@@ -272,7 +276,7 @@ def test_label_out_of_range_is_an_error(tmp_path):
     write_parquet(tmp_path / "test.parquet", {"img": pil_images(1, 8), "label": [0]})
     cfg = DatasetConfig(name="cifar10", path=str(tmp_path), image_column="img", image_size=8, **RGB_STATS)
     with pytest.raises(ValueError, match=r"'label'.*\b10\b.*\[0, 10\)"):
-        data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+        splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
 
 
 def test_missing_column_and_bad_path_are_errors(tmp_path):
@@ -281,24 +285,24 @@ def test_missing_column_and_bad_path_are_errors(tmp_path):
     cfg = DatasetConfig(name="cifar100", path=str(tmp_path), image_column="img", label_column="fine_label",
                         num_classes=100, image_size=8, **RGB_STATS)
     with pytest.raises(ValueError, match="fine_label"):
-        data.load_splits(cfg, data_dir=str(tmp_path / "cache"))
+        splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        data.load_splits(DatasetConfig(name="cifar10", path=str(missing), **RGB_STATS))
+        splits.load_splits(DatasetConfig(name="cifar10", path=str(missing), **RGB_STATS))
 
 
 # ----------------------------------------------------------------------------------------------
 # batches
 
 
-def indexed(n: int, size: int = 4) -> data.ImageTensors:
+def indexed(n: int, size: int = 4) -> ImageTensors:
     """Images whose pixels all equal their row index, labels = row index."""
     images = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 1, size, size).contiguous()
-    return data.ImageTensors(images, torch.arange(n))
+    return ImageTensors(images, torch.arange(n))
 
 
 def test_batch_stream_shapes_and_wraps_around_a_small_partition():
-    stream = data.BatchStream(indexed(5), batch_size=12, augment=False, generator=data.batch_generator(0, 1, 0))
+    stream = BatchStream(indexed(5), batch_size=12, augment=False, generator=batch_generator(0, 1, 0))
     images, labels = stream.next_batch()
     assert images.shape == (12, 1, 4, 4) and labels.shape == (12,)
     assert torch.equal(images[:, 0, 0, 0].long(), labels)  # images travel with their labels
@@ -310,7 +314,7 @@ def test_batch_stream_shapes_and_wraps_around_a_small_partition():
 
 def test_batch_stream_reshuffles_every_pass_and_is_reproducible():
     def passes(seed):
-        stream = data.BatchStream(indexed(20), 20, False, data.batch_generator(seed, 3, 7))
+        stream = BatchStream(indexed(20), 20, False, batch_generator(seed, 3, 7))
         return [stream.next_batch()[1].tolist() for _ in range(4)]
 
     first = passes(42)
@@ -318,15 +322,15 @@ def test_batch_stream_reshuffles_every_pass_and_is_reproducible():
     assert first != passes(43)
     assert all(sorted(p) == list(range(20)) for p in first)
     assert len({tuple(p) for p in first}) == 4  # a new order each pass
-    assert data.batch_generator(42, 3, 7).initial_seed() != data.batch_generator(42, 4, 7).initial_seed()
+    assert batch_generator(42, 3, 7).initial_seed() != batch_generator(42, 4, 7).initial_seed()
 
 
 def test_augmentation_is_a_padded_crop_and_flip_of_each_sample():
     torch.manual_seed(0)
     n, size, pad = 6, 16, 2
     images = torch.randn(n, 3, size, size)
-    plain = data.ImageTensors(images, torch.arange(n))
-    stream = data.BatchStream(plain, n, augment=True, generator=data.batch_generator(1, 1, 1))
+    plain = ImageTensors(images, torch.arange(n))
+    stream = BatchStream(plain, n, augment=True, generator=batch_generator(1, 1, 1))
     assert stream.pad == pad
     out, labels = stream.next_batch()
     assert out.shape == images.shape
@@ -343,20 +347,20 @@ def test_augmentation_is_a_padded_crop_and_flip_of_each_sample():
 
 def test_no_augmentation_returns_the_rows_unchanged():
     images = torch.randn(8, 3, 16, 16)
-    stream = data.BatchStream(data.ImageTensors(images, torch.arange(8)), 8, False, data.batch_generator(0, 0, 0))
+    stream = BatchStream(ImageTensors(images, torch.arange(8)), 8, False, batch_generator(0, 0, 0))
     out, labels = stream.next_batch()
     assert torch.equal(out, images[labels])
 
 
 def test_generator_device_must_match_the_data():
-    same = data._same_device
+    same = _same_device
     assert same(torch.device("cuda"), torch.device("cuda:0")) and same(torch.device("cpu"), torch.device("cpu"))
     assert not same(torch.device("cpu"), torch.device("cuda:0"))
     assert not same(torch.device("cuda:1"), torch.device("cuda:0"))
 
 
 def test_test_batches_cover_every_sample_once_in_order():
-    batches = list(data.test_batches(indexed(23), 5))
+    batches = list(test_batches(indexed(23), 5))
     assert [len(b[1]) for b in batches] == [5, 5, 5, 5, 3]
     assert torch.equal(torch.cat([b[1] for b in batches]), torch.arange(23))
     assert torch.equal(torch.cat([b[0] for b in batches]), indexed(23).images)
@@ -373,7 +377,7 @@ def _holdout_config(fraction: float, seed: int = 3) -> Config:
                   partition=PartitionConfig(name="dirichlet", alpha=0.3), num_clients=5, seed=seed)
 
 
-def _image_keys(tensors: data.ImageTensors) -> set[bytes]:
+def _image_keys(tensors: ImageTensors) -> set[bytes]:
     """Each example's image bytes (synthetic images are continuous noise: no two are equal)."""
     return {image.numpy().tobytes() for image in tensors.images}
 
@@ -396,15 +400,15 @@ def test_validation_rows_are_disjoint_from_every_client_and_from_the_test_split(
 
 
 def test_holdout_rows_are_fixed_by_the_seed_and_off_at_zero():
-    kept, held = data.holdout_rows(100, 0.1, seed=7)
-    again_kept, again_held = data.holdout_rows(100, 0.1, seed=7)
+    kept, held = partition.holdout_rows(100, 0.1, seed=7)
+    again_kept, again_held = partition.holdout_rows(100, 0.1, seed=7)
     assert np.array_equal(held, again_held) and np.array_equal(kept, again_kept)
     assert held.size == 10 and np.array_equal(np.sort(np.concatenate([kept, held])), np.arange(100))
-    assert not np.array_equal(held, data.holdout_rows(100, 0.1, seed=8)[1])
-    kept, held = data.holdout_rows(100, 0.0, seed=7)
+    assert not np.array_equal(held, partition.holdout_rows(100, 0.1, seed=8)[1])
+    kept, held = partition.holdout_rows(100, 0.0, seed=7)
     assert held.size == 0 and np.array_equal(kept, np.arange(100))
     with pytest.raises(ValueError, match="holdout_fraction"):
-        data.holdout_rows(3, 0.1, seed=7)  # rounds to no row
+        partition.holdout_rows(3, 0.1, seed=7)  # rounds to no row
     with pytest.raises(ValueError, match="no validation rows"):
         data.load_validation(_holdout_config(0.0))
 

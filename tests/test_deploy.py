@@ -265,9 +265,9 @@ def deployment(tmp_path_factory):
                 setattr(dep, attr, f"{type(err).__name__}: {err}")
         # What `flwr` and a SuperNode print when they trust another CA (docs/DEPLOY.md's table).
         lc._write_connection(base / "wrong-ca-home", cluster.port, other / "ca.crt")
-        wrong = lc._flwr(base / "wrong-ca-home", ["supernode", "ls", lc.CONNECTION, "--format", "json"],
+        wrong = lc.run_flwr(base / "wrong-ca-home", ["supernode", "ls", lc.CONNECTION, "--format", "json"],
                          timeout=60, env=env)
-        dep.wrong_ca_cli = {**lc._json_payload(wrong.stdout), "rc": wrong.returncode}
+        dep.wrong_ca_cli = {**lc.json_payload(wrong.stdout), "rc": wrong.returncode}
         cmd = list(cluster.nodes[0].cmd)
         cmd[cmd.index("--root-certificates") + 1] = str(other / "ca.crt")
         cmd[cmd.index("--port") + 1] = str(port := lc.free_port(lc.HOST))
@@ -315,10 +315,10 @@ def deployment(tmp_path_factory):
         # registers a SuperNode key: the Control API shares the port with the Fleet API.
         lc._write_connection(base / "ca-only-home", cluster.port, cluster.root / "certs" / "ca.crt")
         assert _script("make_node_keys.sh", "-o", str(base / "outsider-keys"), "outsider").returncode == 0
-        outsider = lc._flwr(base / "ca-only-home", ["supernode", "register",
+        outsider = lc.run_flwr(base / "ca-only-home", ["supernode", "register",
                             str(base / "outsider-keys" / "outsider.pub"), lc.CONNECTION, "--format", "json"],
                             timeout=60, env=env)
-        dep.ca_only_register = {**lc._json_payload(outsider.stdout), "rc": outsider.returncode}
+        dep.ca_only_register = {**lc.json_payload(outsider.stdout), "rc": outsider.returncode}
         if dep.ca_only_register.get("node-id") is not None:
             cluster.cli("supernode", "unregister", str(dep.ca_only_register["node-id"]), cluster.connection)
         print(f"\ndeployment phases (s since start): { {k: round(v, 1) for k, v in dep.seconds.items()} }")
@@ -477,7 +477,7 @@ def test_cluster_status_and_down_stop_every_process(deployment):
 # --------------------------------------------------------------------------------------------
 def _write_site(folder: Path, n_train: int, n_test: int, label: int, seed: int) -> None:
     """``<folder>/train.parquet`` and ``test.parquet``: 28x28 grayscale PNGs with one label, the
-    layout of ``dataset.path`` (fedact_app/data.py) with the columns of dataset=fashion_mnist."""
+    layout of ``dataset.path`` (fedact_app/tasks/vision/splits.py) with the columns of dataset=fashion_mnist."""
     import datasets
     import numpy as np
     from PIL import Image

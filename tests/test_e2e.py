@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedact_app.algorithms import ALGORITHMS
-from fedact_app.launch import run_simulation
+from fedact_app.cli.launch import run_simulation
 
 # The module fixture runs every selected job inside the first test's setup, which pytest-timeout
 # counts against that test: allow for all of them on a slow 2-core machine (about 12 runs of
@@ -124,7 +124,7 @@ def test_bf16_wire_autocast_and_channels_last_run(job, runs):
     """The speed options through real Flower: v_bar and Delta_G travel in 2 bytes per value (round 2
     is the first with them), bf16 autocast and channels_last train, nothing is rejected."""
     from fedact_app.config import compose
-    from fedact_app.models import build_model
+    from fedact_app.tasks.vision.models import build_model
 
     _, rows = job
     fp32_rows = [json.loads(line) for line in (run_dir(runs["fedact"][0]) / "metrics.jsonl").read_text().splitlines()]

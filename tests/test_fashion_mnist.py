@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from fedact_app import data
+from fedact_app.tasks.vision import data, partition, splits
 from fedact_app.config import compose
-from fedact_app.launch import run_simulation
+from fedact_app.cli.launch import run_simulation
 
 APP_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(APP_DIR / "scripts" / "data"))
@@ -148,7 +148,7 @@ def test_loader_reads_the_converted_folder(fmnist):
     are the package's pixels normalized with the config's mean/std (so about zero mean, unit std),
     and the package's labels, every class present."""
     cfg = compose(overrides(fmnist))
-    train, test_split = data.load_splits(cfg.dataset, cfg.data_dir)
+    train, test_split = splits.load_splits(cfg.dataset, cfg.data_dir)
     assert (len(train), len(test_split)) == (TRAIN_ROWS, TEST_ROWS)
     test = data.load_test(cfg)
     assert test.images.shape == (TEST_ROWS, 1, 28, 28)
@@ -171,12 +171,12 @@ def test_dirichlet_partition_of_the_converted_folder(fmnist):
     (mean top-class share above 0.5, where the IID partition stays below 0.2)."""
     cfg = compose(f"{overrides(fmnist)} num_clients=10 partition=dirichlet partition.alpha=0.1")
     labels = data.train_labels(cfg)
-    parts = data.partition_indices(labels, 10, cfg.partition, cfg.seed)
+    parts = partition.partition_indices(labels, 10, cfg.partition, cfg.seed)
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(TRAIN_ROWS))
     for client, rows in enumerate(parts):
         assert np.array_equal(data.load_client_train(cfg, client, 10).labels.numpy(), labels[rows])
     assert min(rows.size for rows in parts) > 0
-    iid = data.partition_indices(labels, 10, compose("partition=iid").partition, cfg.seed)
+    iid = partition.partition_indices(labels, 10, compose("partition=iid").partition, cfg.seed)
     assert max_class_share(labels, parts) > 0.5 > 0.2 > max_class_share(labels, iid)
 
 

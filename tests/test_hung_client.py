@@ -17,7 +17,7 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from fedact_app.client_app import handle, node_slot
-from fedact_app.launch import run_simulation
+from fedact_app.cli.launch import run_simulation
 
 pytestmark = pytest.mark.timeout(600)
 APP_DIR = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fedact_app.launch import run_simulation
+from fedact_app.cli.launch import run_simulation
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 APP_DIR = Path(__file__).resolve().parents[1]

@@ -163,7 +163,7 @@ def test_a_streamed_corpus_continues_at_a_position_derived_from_the_round(overri
     """C4 is a stream: round r starts at document (r - 1) K B ceil(seq_len / 512) of the client's part."""
     import datasets
 
-    from fedact_app.data import batch_generator
+    from fedact_app.train import batch_generator
     from fedact_app.tasks.text_data import StreamCorpus
 
     documents = [f"document number {i:04d} " * 3 for i in range(400)]

@@ -1,4 +1,4 @@
-"""Tests for fedact_app.launch against a tiny throw-away Flower app (imports only flwr).
+"""Tests for fedact_app.cli.launch (and the flwr-CLI helpers of fedact_app.cli.flwr) against a tiny throw-away Flower app (imports only flwr).
 
 The e2e tests start a real private SuperLink each (~15-25 s on a 2-core machine).
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedact_app import launch
-from fedact_app.launch import pid_alive, run_simulation
+from fedact_app.cli import flwr, launch
+from fedact_app.cli.launch import pid_alive, run_simulation
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_NODES = 3
@@ -208,13 +208,13 @@ def test_rejected_run_raises_and_stops_superlink(
 ) -> None:
     # `flwr run --format json` exits 0 here too; the launcher must notice and raise.
     stopped: list[tuple[int, ...]] = []
-    real_stop = launch._SuperLink.stop
+    real_stop = launch.SimulationSuperLink.stop
 
-    def spy(self: launch._SuperLink) -> tuple[int, ...]:
+    def spy(self: launch.SimulationSuperLink) -> tuple[int, ...]:
         stopped.append(real_stop(self))
         return stopped[-1]
 
-    monkeypatch.setattr(launch._SuperLink, "stop", spy)
+    monkeypatch.setattr(launch.SimulationSuperLink, "stop", spy)
     with pytest.raises(launch.LaunchError, match="no-such-key"):
         run_simulation(tiny_app, run_config={"no-such-key": 1}, timeout=120)
     assert len(stopped) == 1
@@ -226,7 +226,7 @@ def test_rejected_run_raises_and_stops_superlink(
 @pytest.mark.timeout(240)
 def test_cli_exit_code_reports_failure(tiny_app: Path, user_flwr_home: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "fedact_app.launch", "--app", str(tiny_app),
+        [sys.executable, "-m", "fedact_app.cli.launch", "--app", str(tiny_app),
          "--overrides", "fail", "--num-supernodes", str(NUM_NODES),
          "--run-config", f"expected-nodes={NUM_NODES}", "--timeout", "150"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=200, check=False,
@@ -246,11 +246,11 @@ def test_run_config_toml_escapes_and_flattens() -> None:
         import tomli as tomllib  # type: ignore[no-redef]
 
     config = {"overrides": "a=1 b='x y' c=\"q\" d=\\", "n": 3, "f": 0.5, "on": True, "x": {"y": 2}}
-    parsed = tomllib.loads(launch._toml(config))
+    parsed = tomllib.loads(flwr.toml_table(config))
     assert parsed == {"overrides": config["overrides"], "n": 3, "f": 0.5, "on": True, "x.y": 2}
-    assert launch._toml_value(0.0) == "0.0" and launch._toml_value(False) == "false"
+    assert flwr.toml_value(0.0) == "0.0" and flwr.toml_value(False) == "false"
     with pytest.raises(TypeError):
-        launch._toml_value([1])
+        flwr.toml_value([1])
 
 
 def test_cli_run_config_values() -> None:

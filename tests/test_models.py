@@ -1,4 +1,4 @@
-"""Tests of fedact_app/models.py (and the torchvision shim in fedact_app/compat.py)."""
+"""Tests of fedact_app/tasks/vision/models.py (and the torchvision shim in fedact_app/compat.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from fedact_app.config import DatasetConfig, ModelConfig
-from fedact_app.models import MODELS, build_model
+from fedact_app.tasks.vision.models import MODELS, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

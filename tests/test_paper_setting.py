@@ -6,8 +6,9 @@ import time
 import pytest
 
 from fedact_app.config import compose
-from fedact_app.data import DatasetUnavailableError, load_test
-from fedact_app.models import build_model
+from fedact_app.tasks.vision.data import load_test
+from fedact_app.tasks.vision.splits import DatasetUnavailableError
+from fedact_app.tasks.vision.models import build_model
 
 
 def test_paper_setting_builds_model_and_fails_only_at_the_hub(tmp_path):

@@ -18,7 +18,7 @@ import sweep  # noqa: E402
 import table  # noqa: E402
 
 from fedact_app import report  # noqa: E402
-from fedact_app.launch import RunResult  # noqa: E402
+from fedact_app.cli.launch import RunResult  # noqa: E402
 from fedact_app.report import ReportError, Setting  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from fedact_app.config import compose
-from fedact_app.data import batch_generator
-from fedact_app.launch import run_simulation
+from fedact_app.train import batch_generator
+from fedact_app.cli.launch import run_simulation
 from fedact_app.tasks.base import build_task
 
 pytestmark = pytest.mark.timeout(1200)

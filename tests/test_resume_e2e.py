@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedact_app.launch import run_simulation
+from fedact_app.cli.launch import run_simulation
 
 # The module fixture's runs all happen in the first test's setup (see tests/test_e2e.py).
 pytestmark = pytest.mark.timeout(1800)

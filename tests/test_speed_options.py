@@ -11,8 +11,8 @@ from flwr.app import ArrayRecord
 
 from fedact_app.algorithms import ALGORITHMS
 from fedact_app.config import ConfigError, compose
-from fedact_app.data import ImageTensors
-from fedact_app.models import build_model
+from fedact_app.tasks.vision.tensors import ImageTensors
+from fedact_app.tasks.vision.models import build_model
 from fedact_app.train import autocast, evaluate, train_steps
 from fedact_app.wire import array_record, from_wire, to_wire
 

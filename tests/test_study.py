@@ -14,7 +14,7 @@ sys.path.insert(0, str(APP_DIR / "scripts"))
 
 import study  # noqa: E402
 
-from fedact_app.launch import RunResult  # noqa: E402
+from fedact_app.cli.launch import RunResult  # noqa: E402
 
 SAMPLES = [[0, 3], [1, 2], [2, 4]]  # rounds 1..3
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(APP_DIR / "scripts"))
 
 import sweep  # noqa: E402
 
-from fedact_app.launch import RunResult  # noqa: E402
+from fedact_app.cli.launch import RunResult  # noqa: E402
 
 TINY = ["num_rounds=1", "num_clients=2", "min_train_nodes=2", "fraction_train=1.0", "local_steps=2"]
 

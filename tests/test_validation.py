@@ -12,8 +12,8 @@ from flwr.app import ArrayRecord, Error, Message, MessageType, Metadata, MetricR
 
 from fedact_app.algorithms import ALGORITHMS
 from fedact_app.config import Config, ConfigError, compose
-from fedact_app.data import train_labels
-from fedact_app.preflight import check_partitions
+from fedact_app.tasks.vision.data import train_labels
+from fedact_app.tasks.vision.partition import check_partitions
 from fedact_app.replies import ReplyError, decode_update
 from fedact_app.strategy import AlgorithmStrategy
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from fedact_app.compat import ensure_torchvision_ops
 from fedact_app.tasks import llama
-from fedact_app.tasks.text_data import HubUnavailableError, unavailable_message
+from fedact_app.tasks.hub import HubUnavailableError, unavailable_message
 
 ensure_torchvision_ops()  # before peft/transformers import torchvision (CPU torch + CUDA torchvision)
 

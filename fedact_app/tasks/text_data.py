@@ -62,6 +62,8 @@ ensure_torchvision_ops()  # datasets and transformers may import torchvision; ke
 import datasets  # noqa: E402
 from datasets.distributed import split_dataset_by_node  # noqa: E402
 
+from fedact_app.tasks.hub import HubUnavailableError, unavailable_message  # noqa: E402
+
 if TYPE_CHECKING:
     from fedact_app.tasks.tokenizers import TextTokenizer
 
@@ -72,20 +74,6 @@ TEXT_COLUMN = "text"
 RECORD_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 T = TypeVar("T")
-
-
-class HubUnavailableError(RuntimeError):
-    """A Hugging Face hub model, tokenizer or dataset could not be loaded (offline or not cached)."""
-
-
-def unavailable_message(kind: str, name: str, exc: Exception, local_hint: str) -> str:
-    """One paragraph: what failed to load, the underlying error, and how to work offline instead."""
-    return (
-        f"Could not load the {kind} '{name}' from the Hugging Face hub or its cache: "
-        f"{type(exc).__name__}: {exc}. This machine may be offline (or HF_HUB_OFFLINE / "
-        f"HF_DATASETS_OFFLINE are set) and '{name}' is not cached. Download it once where there is "
-        f"internet, or work offline: {local_hint}"
-    )
 
 
 def load_hub_dataset(hub_id: str, config: str | None = None, *, split: str, streaming: bool = False,

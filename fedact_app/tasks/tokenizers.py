@@ -7,7 +7,7 @@
   ``<s>``, ``</s>`` are ids 0, 1, 2).
 - anything else (a hub name such as ``t5-base`` or ``meta-llama/Llama-2-7b-hf``, or a local folder
   saved with ``save_pretrained``) -> :class:`HubTokenizer` around ``transformers.AutoTokenizer``.
-  Offline and not cached this raises :class:`~fedact_app.tasks.text_data.HubUnavailableError`
+  Offline and not cached this raises :class:`~fedact_app.tasks.hub.HubUnavailableError`
   naming the name and the local alternatives.
 
 ``encode`` never adds special tokens; the tasks add ``bos``/``eos`` where their formats put them.
@@ -21,7 +21,7 @@ from typing import Iterable, Protocol, Sequence
 import tokenizers  # the Hugging Face `tokenizers` library (absolute import: not this module)
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from fedact_app.tasks.text_data import HubUnavailableError, unavailable_message
+from fedact_app.tasks.hub import HubUnavailableError, unavailable_message
 
 BYTES = "bytes"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 of a trained BPE; 256, 257, 258 of bytes

@@ -3,7 +3,7 @@
     sudo apt-get install dataset-fashion-mnist
     python3 scripts/data/fashion_mnist.py --out /data/fashion_mnist
     python3 scripts/data/fashion_mnist.py --out /tmp/fmnist-small --limit-train 3000 --limit-test 1000
-    python3 -m fedact_app.launch --app . --overrides "dataset=fashion_mnist dataset.path=/data/fashion_mnist"
+    python3 -m fedact_app.cli.launch --app . --overrides "dataset=fashion_mnist dataset.path=/data/fashion_mnist"
 
 Reads ``<source>/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`` (``--source`` defaults to the
 package's folder, :data:`DEBIAN_SOURCE`) and writes ``<out>/train/train.parquet`` and

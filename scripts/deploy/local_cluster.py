@@ -41,12 +41,13 @@ I=CONFIG`` replaces it for node I. ``--cuda-devices 0,1`` gives node i CUDA_VISI
 device i mod the list's length (``device=auto`` in the app then trains on that GPU).
 """
 
+# One module (~700 lines) on purpose: the command-line entry point that docs and tests load by
+# path, whose up/status/run/down share cluster.json; the flwr-CLI parts are fedact_app.cli.flwr.
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -54,7 +55,6 @@ import ssl
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -63,19 +63,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedact_app.launch import (LaunchError, descendants, flower_executable, free_port, kill_quietly,
-                               pid_alive)
+from fedact_app.cli.flwr import (LaunchError, flower_executable, follow_run, free_port, json_payload, run_flwr,
+                                 strip_ansi, submit_run, write_connection)
+from fedact_app.cli import flwr as flwr_cli
+from fedact_app.cli.procs import descendants, kill_quietly, pid_alive
 
 HERE = Path(__file__).resolve().parent
 CONNECTION = "fedact-local"
 HOST = "127.0.0.1"  # loopback only, by design
 STATE_FILE = "cluster.json"
 DEFAULT_TEMPLATE = "partition-id={i} num-partitions={n}"
-CLI_TIMEOUT = 60.0
 PORT_ATTEMPTS = 3  # starts of a process whose freshly picked port was taken meanwhile
 STOP_GRACE = 5.0
-BASE_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _POPENS: dict[int, subprocess.Popen[bytes]] = {}  # processes started by this Python process
 
 
@@ -146,13 +145,10 @@ class Cluster:
             connection=data.get("connection", CONNECTION),
         )
 
-    def cli(self, *args: str, timeout: float = CLI_TIMEOUT, env: dict[str, str] | None = None
+    def cli(self, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess[str]:
         """Run ``flwr ARGS`` with this cluster's FLWR_HOME (bounded by ``timeout``)."""
-        return _flwr(self.flwr_home, args, timeout=timeout, env=env)
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, **BASE_ENV, "FLWR_HOME": str(self.flwr_home)}
+        return run_flwr(self.flwr_home, args, timeout=timeout, env=env)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +199,7 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
     if missing:
         _script("make_node_keys.sh", "-o", str(keys), *missing)
 
-    base_env = {**os.environ, **BASE_ENV, **(env or {})}
+    base_env = {**os.environ, **flwr_cli.BASE_ENV, **(env or {})}
     link_env = {**base_env, "FLWR_HOME": str(root / "superlink")}
     link_cwd = Path(cwd) if cwd else Path.cwd()
     extra = [] if runtime_dependency_install else ["--disable-runtime-dependency-installation"]
@@ -272,7 +268,7 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
 def register(cluster: Cluster, public_key: Path) -> str:
     """``flwr supernode register <public_key> <connection>``; returns the node id."""
     proc = cluster.cli("supernode", "register", str(public_key), cluster.connection, "--format", "json")
-    payload = _json_payload(proc.stdout)
+    payload = json_payload(proc.stdout)
     if proc.returncode != 0 or not payload.get("success"):
         raise ClusterError(f"registering {public_key} failed (rc={proc.returncode}): "
                            f"{_clean(payload.get('error-message') or proc.stdout + proc.stderr)}")
@@ -406,7 +402,7 @@ def list_nodes(cluster: Cluster) -> list[dict[str, Any]]:
         proc = cluster.cli("supernode", "ls", cluster.connection, "--format", "json", timeout=30)
     except subprocess.TimeoutExpired:
         return []
-    return list(_json_payload(proc.stdout).get("nodes") or [])
+    return list(json_payload(proc.stdout).get("nodes") or [])
 
 
 def list_runs(cluster: Cluster, run_id: int | str | None = None) -> list[dict[str, Any]]:
@@ -418,7 +414,7 @@ def list_runs(cluster: Cluster, run_id: int | str | None = None) -> list[dict[st
         proc = cluster.cli(*args, timeout=30)
     except subprocess.TimeoutExpired:
         return []
-    return list(_json_payload(proc.stdout).get("runs") or [])
+    return list(json_payload(proc.stdout).get("runs") or [])
 
 
 def status(cluster: Cluster) -> dict[str, Any]:
@@ -446,21 +442,10 @@ def submit(cluster: Cluster, app: str | Path = ".", overrides: str = "",
     config = dict(run_config or {})
     if overrides:
         config["overrides"] = overrides
-    args = ["run", str(Path(app).resolve()), cluster.connection, "--format", "json"]
-    if config:
-        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, dir=cluster.root) as fh:
-            fh.write("".join(f"{json.dumps(k)} = {_toml_value(v)}\n" for k, v in config.items()))
-        args += ["--run-config", fh.name]
     try:
-        proc = cluster.cli(*args)
-    finally:
-        if config:
-            Path(fh.name).unlink(missing_ok=True)
-    payload = _json_payload(proc.stdout)
-    if proc.returncode != 0 or not payload.get("success") or payload.get("run-id") is None:
-        raise ClusterError(f"`flwr run` did not start a run (rc={proc.returncode}): "
-                           f"{_clean(payload.get('error-message') or proc.stdout + proc.stderr)}")
-    return str(payload["run-id"])
+        return str(submit_run(cluster.flwr_home, Path(app).resolve(), cluster.connection, config))
+    except LaunchError as err:
+        raise ClusterError(str(err)) from None
 
 
 def wait_run(cluster: Cluster, run_id: str, timeout: float = 600.0, poll: float = 15.0
@@ -468,48 +453,22 @@ def wait_run(cluster: Cluster, run_id: str, timeout: float = 600.0, poll: float 
     """Follow a run until it finishes: (status, status-details, log). ``status`` is what
     ``flwr ls`` says, e.g. ``finished:completed``; ``timeout`` is reported as status ``timeout``.
 
-    ``flwr log --stream`` collects the log and ends when the SuperLink closes the stream at the
-    end of the run, which is when ``flwr ls`` is asked; it is also asked every ``poll`` seconds
-    (each `flwr` call costs about a CPU-second, so it is not asked more often).
+    The loop is the launcher's (``fedact_app.cli.flwr.follow_run``): ``flwr log --stream`` collects
+    the log (stderr included) and ends when the SuperLink closes the stream at the end of the run,
+    which is when ``flwr ls`` is asked; it is also asked every ``poll`` seconds.
     """
-    deadline = time.monotonic() + timeout
-    log_path = cluster.root / "logs" / f"run-{run_id}.log"
 
-    def follow() -> subprocess.Popen[bytes]:
-        with log_path.open("wb") as out:  # a new stream replays the log from its start
-            return subprocess.Popen(  # noqa: S603
-                [flower_executable("flwr"), "log", run_id, cluster.connection, "--stream"],
-                cwd=cluster.flwr_home, env=cluster.env(), stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT)
+    def gone() -> str | None:
+        return None if cluster.superlink.alive() else "the SuperLink exited:\n" + tail(cluster.superlink.log)
 
-    streamer = follow()
-    state, details = "timeout", f"the run did not finish within {timeout:.0f} s"
-    next_poll = time.monotonic() + poll
-    try:
-        while time.monotonic() < deadline:
-            if not cluster.superlink.alive():
-                state, details = "unknown", "the SuperLink exited:\n" + tail(cluster.superlink.log)
-                break
-            ended = streamer.poll() is not None
-            if ended or time.monotonic() >= next_poll:
-                runs = list_runs(cluster, run_id)
-                next_poll = time.monotonic() + poll
-                if runs and str(runs[0].get("status", "")).startswith("finished"):
-                    state, details = str(runs[0]["status"]), str(runs[0].get("status-details", ""))
-                    try:  # the last lines come right before the stream ends
-                        streamer.wait(timeout=max(1.0, min(15.0, deadline - time.monotonic())))
-                    except subprocess.TimeoutExpired:
-                        pass
-                    break
-                if ended:  # the stream ended early (run not started yet, a hiccup): follow again
-                    time.sleep(1.0)
-                    streamer = follow()
-            time.sleep(0.25)
-    finally:
-        if streamer.poll() is None:
-            streamer.kill()
-            streamer.wait()
-    return state, details, _clean(_read(str(log_path)))
+    run = follow_run(cluster.flwr_home, cluster.connection, run_id, cluster.root / "logs" / f"run-{run_id}.log",
+                     deadline=time.monotonic() + timeout, poll_interval=poll, superlink_gone=gone,
+                     stream_stderr=subprocess.STDOUT)
+    if run.finished:
+        return run.status, run.details, run.log.strip()
+    if run.timed_out:
+        return "timeout", f"the run did not finish within {timeout:.0f} s", run.log.strip()
+    return "unknown", run.details, run.log.strip()
 
 
 # --------------------------------------------------------------------------------------------
@@ -587,14 +546,9 @@ def _spawn(name: str, cmd: list[str], log: Path, port: int, env: dict[str, str],
 
 
 def _write_connection(home: Path, port: int, ca_file: Path) -> None:
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(
-        "# Written by scripts/deploy/local_cluster.py; see deploy/config.toml.example.\n"
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-        f'[superlink.{CONNECTION}]\naddress = "{HOST}:{port}"\n'
-        f'root-certificates = "{ca_file.resolve()}"\n',
-        encoding="utf-8",
-    )
+    """The `flwr` CLI's connection to the cluster: TLS, trusting ``ca_file``."""
+    write_connection(home, CONNECTION, f"{HOST}:{port}", root_certificates=ca_file,
+                     header="# Written by scripts/deploy/local_cluster.py; see deploy/config.toml.example.\n")
 
 
 def _script(name: str, *args: str) -> None:
@@ -604,33 +558,8 @@ def _script(name: str, *args: str) -> None:
         raise ClusterError(f"{name} failed (rc={proc.returncode}): {proc.stderr or proc.stdout}")
 
 
-def _flwr(home: Path, args: tuple[str, ...] | list[str], timeout: float,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(  # noqa: S603
-        [flower_executable("flwr"), *args], cwd=home, capture_output=True, text=True,
-        env={**os.environ, **BASE_ENV, **(env or {}), "FLWR_HOME": str(home)},
-        timeout=timeout, check=False)
-
-
-def _json_payload(stdout: str) -> dict[str, Any]:
-    start = stdout.find("{")
-    try:
-        payload = json.loads(stdout[start:]) if start >= 0 else {}
-    except json.JSONDecodeError:
-        return {}
-    return payload if isinstance(payload, dict) else {}
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
-
-
 def _clean(text: Any) -> str:
-    return _ANSI.sub("", str(text)).strip()
+    return strip_ansi(text).strip()
 
 
 def _port_taken(log: str) -> bool:

@@ -1,5 +1,5 @@
-"""Image classification (the seed's vision study): timm / torchvision models on image datasets,
-cross-entropy, accuracy (fedact_app.data, fedact_app.models, fedact_app.train)."""
+"""The vision task: timm / torchvision models on image datasets, cross-entropy, accuracy
+(:mod:`.data`, :mod:`.models`, fedact_app.train)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import torch
 from torch import Tensor, nn
 
 from fedact_app.config import PartitionConfig
-from fedact_app.data import (BatchStream, ImageTensors, load_client_train, load_test, load_validation,
-                             partition_indices, test_batches, train_labels)
-from fedact_app.models import build_model
-from fedact_app.preflight import check_partitions
 from fedact_app.tasks.base import Task
+from fedact_app.tasks.vision.batches import BatchStream, test_batches
+from fedact_app.tasks.vision.data import load_client_train, load_test, load_validation, train_labels
+from fedact_app.tasks.vision.models import build_model
+from fedact_app.tasks.vision.partition import check_partitions, partition_indices
+from fedact_app.tasks.vision.tensors import ImageTensors
 from fedact_app.train import classification_loss, evaluate
 
 

@@ -1,0 +1,349 @@
+"""Run a Flower app to completion on a private, throw-away SuperLink (simulation mode).
+
+``flwr run`` always talks to a SuperLink; with the default ``:local:`` connection it starts a
+background SuperLink that keeps running, uses ``~/.flwr`` and fixed ports, installs the app's
+dependencies for every run, and ``flwr run --stream`` exits 0 even when the run failed. This
+module avoids all of that:
+
+1. a temporary ``FLWR_HOME`` with a ``config.toml`` holding one connection (``fedact-launch``),
+   so the user's ``~/.flwr`` and default SuperLink are never touched;
+2. ``flower-superlink --insecure --simulation --disable-runtime-dependency-installation`` on a
+   free loopback port (in Flower 1.41 the Control, Runtime (ServerAppIo) and Fleet APIs are all
+   served over HTTP on that single ``--host/--port``; nothing else is bound by the SuperLink);
+3. ``flwr run <app> fedact-launch --run-config <file.toml> --federation-config "..."
+   --format json``;
+4. ``flwr log <run> fedact-launch --stream`` (Flower ends the stream when the run finishes), with
+   ``flwr ls fedact-launch --run-id <run> --format json`` as the source of truth for the status;
+5. in ``finally``: SIGTERM, then SIGKILL, for the SuperLink and every process it spawned
+   (SuperExec, ``flwr-simulation``, the Ray cluster), also on errors, timeouts, Ctrl-C and
+   SIGTERM (turned into ``SystemExit`` while a run is in progress, main thread only).
+
+Python use::
+
+    from fedact_app.cli.launch import run_simulation
+    result = run_simulation(".", overrides="num_rounds=2", num_supernodes=3)
+    assert result.completed, result.log
+
+Command line (exit code 0 only when the run finished with sub-status ``completed``)::
+
+    python -m fedact_app.cli.launch --app . --overrides "num_rounds=2" --num-supernodes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedact_app.cli import flwr
+from fedact_app.cli.flwr import LaunchError
+from fedact_app.cli.procs import pid_alive
+from fedact_app.cli.superlink import SimulationSuperLink
+
+__all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "supernodes_for"]
+
+CONNECTION = "fedact-launch"  # name of the only connection in the private config.toml
+BASE_ENV = {**flwr.BASE_ENV, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+
+
+@dataclass
+class RunResult:
+    """Outcome of one run, as reported by the SuperLink."""
+
+    run_id: int
+    status: str  # as `flwr ls` reports it: "finished:completed", "finished:failed", "running", ...
+    completed: bool  # True only for "finished:completed"
+    log: str  # the run's log (ServerApp + simulation output), ANSI colours stripped
+    seconds: float  # wall time of the whole call, SuperLink start and stop included
+    details: str = ""  # `flwr ls` "status-details", e.g. "Simulation failed with exception: ..."
+    timed_out: bool = False  # the run had not finished when `timeout` ran out
+    superlink_pid: int = 0
+    pids: tuple[int, ...] = field(default=(), repr=False)  # all processes of the SuperLink tree
+
+    def tail(self, lines: int = 40) -> str:
+        """Last ``lines`` lines of the log."""
+        return "\n".join(self.log.splitlines()[-lines:])
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best here
+    app_dir: str | Path,
+    overrides: str = "",
+    num_supernodes: int = 2,
+    num_cpus_per_client: int = 1,
+    num_gpus_per_client: float = 0.0,
+    run_config: Mapping[str, Any] | None = None,
+    timeout: float = 600.0,
+    flwr_home: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    federation_config: Mapping[str, Any] | None = None,
+    cwd: str | Path | None = None,
+    poll_interval: float = 10.0,
+) -> RunResult:
+    """Run the Flower app in ``app_dir`` on a private simulation SuperLink and wait for it.
+
+    Parameters
+    ----------
+    app_dir: directory holding the app's ``pyproject.toml``.
+    overrides: value of the app's ``overrides`` run-config key (a string of Hydra overrides);
+        sent only when non-empty, so an app without that key works with the default.
+    num_supernodes, num_cpus_per_client, num_gpus_per_client: simulation federation
+        (``--federation-config num-supernodes=... client-resources-num-cpus=...
+        client-resources-num-gpus=...``). Flower's proto field for CPUs is an integer.
+        ClientApps see no GPU unless ``num_gpus_per_client > 0``.
+    run_config: further run-config keys (must exist in ``[tool.flwr.app.config]``).
+    timeout: seconds for the whole call; an unfinished run is reported with ``timed_out=True``.
+    flwr_home: FLWR_HOME to use (kept afterwards); default: a temporary one, deleted afterwards.
+    env: extra environment for the flwr CLI and the SuperLink (and so the ServerApp/ClientApps).
+    federation_config: extra ``--federation-config`` keys, e.g. ``{"init-args-num-cpus": 2}``.
+    cwd: working directory of the SuperLink and hence of the running app (default: the
+        caller's). Apps should resolve their paths to absolute ones anyway.
+    poll_interval: seconds between ``flwr ls`` checks while the log stream is open.
+
+    Raises
+    ------
+    LaunchError: the SuperLink did not start or ``flwr run`` did not accept the run.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    app_path = Path(app_dir).expanduser().resolve()
+    if not (app_path / "pyproject.toml").is_file():
+        raise ValueError(f"{app_path} has no pyproject.toml; not a Flower app directory")
+    if int(num_supernodes) < 1:
+        raise ValueError("num_supernodes must be >= 1")
+    if float(num_cpus_per_client) != int(num_cpus_per_client) or int(num_cpus_per_client) < 1:
+        raise ValueError("num_cpus_per_client must be a positive integer (Flower's proto is int)")
+
+    own_home = flwr_home is None
+    home = Path(tempfile.mkdtemp(prefix="fedact-flwr-")) if own_home else Path(flwr_home)
+    home = home.expanduser().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **BASE_ENV, **(env or {}), "FLWR_HOME": str(home)}
+
+    link: SimulationSuperLink | None = None
+    restore = _exit_on_termination()
+    try:
+        link = SimulationSuperLink.start(home, full_env, Path(cwd) if cwd else Path.cwd(), deadline)
+        flwr.write_connection(home, CONNECTION, f"127.0.0.1:{link.port}")
+
+        config = dict(run_config or {})
+        if overrides:
+            config["overrides"] = overrides
+        fed = {
+            "num-supernodes": int(num_supernodes),
+            "client-resources-num-cpus": int(num_cpus_per_client),
+            "client-resources-num-gpus": float(num_gpus_per_client),
+            **(federation_config or {}),
+        }
+        try:
+            run_id = flwr.submit_run(home, app_path, CONNECTION, config, federation_config=fed, env=full_env)
+        except LaunchError as err:
+            raise LaunchError(f"{err}\n--- SuperLink output ---\n{link.output_tail()}") from None
+
+        def gone() -> str | None:
+            if link.proc.poll() is None:
+                return None
+            return f"the SuperLink exited (rc={link.proc.returncode}):\n{link.output_tail()}"
+
+        run = flwr.follow_run(home, CONNECTION, run_id, home / f"run-{run_id}.log", deadline=deadline,
+                              poll_interval=poll_interval, env=full_env, superlink_gone=gone)
+    finally:
+        pids: tuple[int, ...] = ()
+        try:
+            if link is not None:
+                pids = link.stop()
+            if own_home:
+                shutil.rmtree(home, ignore_errors=True)
+        finally:
+            restore()
+
+    return RunResult(
+        run_id=run_id,
+        status=run.status,
+        completed=run.status == "finished:completed",
+        log=run.log,
+        seconds=time.monotonic() - t0,
+        details=run.details,
+        timed_out=run.timed_out,
+        superlink_pid=link.pid,
+        pids=pids,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+def _exit_on_termination() -> Callable[[], None]:
+    """Make SIGTERM/SIGHUP raise SystemExit (so ``finally`` stops the SuperLink) while a run is
+    in progress; return a function restoring the previous handlers.
+
+    Python's default for these signals kills the process without unwinding, which would leave the
+    SuperLink, flwr-simulation and the Ray cluster running (seen). Only handlers still at the
+    default are replaced, and only in the main thread (Python allows no other).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    raised = False
+
+    def handler(signum: int, _frame: Any) -> None:
+        nonlocal raised
+        if not raised:  # a repeated signal must not interrupt the clean-up itself
+            raised = True
+            raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def _parse_run_config(items: Iterable[str]) -> dict[str, Any]:
+    """``key=value`` pairs; values are parsed as TOML (numbers, booleans, quoted strings),
+    anything that is not valid TOML is taken as a plain string."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    config: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--run-config expects key=value, got {item!r}")
+        try:
+            config[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            config[key] = raw
+    return config
+
+
+def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
+    """The number of SuperNodes to simulate. For a FedACT app (a checkout with
+    ``fedact_app/config.py`` and ``conf/config.yaml``) the overrides are composed here first, so a
+    bad key or value fails in a second with its message (ValueError) instead of inside the run;
+    so do the values naming files (:func:`check_local_files`). There is one SuperNode per client:
+    ``num_clients`` by default; another number is refused, since every ClientApp would refuse the
+    run. Another app: ``requested``, default 2."""
+    if not ((app / "fedact_app" / "config.py").is_file() and (app / "conf" / "config.yaml").is_file()):
+        return 2 if requested is None else requested
+    from fedact_app.config import compose  # Hydra: only for the app's own configuration
+
+    try:
+        cfg = compose(overrides, conf_dir=app / "conf")
+    except Exception as err:  # noqa: BLE001 - ConfigError and Hydra's composition and type errors
+        cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
+        raise ValueError(f"{err}{cause}".strip()) from None
+    check_local_files(cfg)
+    if requested is not None and requested != cfg.num_clients:
+        raise ValueError(f"--num-supernodes {requested} differs from num_clients={cfg.num_clients}: "
+                         f"each SuperNode is one client; pass --num-supernodes {cfg.num_clients}, or "
+                         f"num_clients={requested} in --overrides")
+    return cfg.num_clients
+
+
+def check_local_files(cfg: Any) -> None:
+    """ConfigError (a ValueError) for a FedACT config's values that name files this machine lacks:
+    ``resume`` (the checkpoint.resolve_resume check the ServerApp makes) and, for ``task=vision``,
+    ``dataset.path`` (tasks.vision.splits.check_local_path). ``compose()`` cannot check them, since on a SuperNode
+    they name that node's files; in simulation the ServerApp and every ClientApp run here, with
+    the launcher's working directory. Language tasks' local files are not checked here."""
+    if cfg.resume is not None:
+        from fedact_app.checkpoint import resolve_resume
+
+        resolve_resume(cfg.resume)
+    if cfg.task == "vision" and cfg.dataset.path is not None:
+        from fedact_app.tasks.vision.splits import check_local_path  # datasets: ~0.6 s, only when there is a path
+
+        check_local_path(cfg.dataset)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedact_app.cli.launch",
+        description="Run a Flower app on a private simulation SuperLink; exit 0 only if the "
+        "run finished with status completed.",
+    )
+    parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
+    parser.add_argument("--overrides", default="", help="value of the app's `overrides` key")
+    parser.add_argument("--num-supernodes", type=int, default=None,
+                        help="SuperNodes, one per client (default: num_clients of this FedACT app's "
+                             "config with the overrides; 2 for another app)")
+    parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per ClientApp")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per ClientApp")
+    parser.add_argument(
+        "--run-config", action="append", default=[], metavar="KEY=VALUE",
+        help="another run-config key (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds (default 3600)")
+    parser.add_argument("--flwr-home", default=None, help="FLWR_HOME to use and keep")
+    parser.add_argument("--tail", type=int, default=60, help="log lines to print (0: all)")
+    parser.add_argument("--log-file", default=None, help="also write the full run log here")
+    args = parser.parse_args(argv)
+    try:
+        run_config = _parse_run_config(args.run_config)
+    except argparse.ArgumentTypeError as err:
+        parser.error(str(err))
+
+    try:
+        submitted = args.overrides or str(run_config.get("overrides", ""))  # what run_simulation sends
+        num_supernodes = supernodes_for(Path(args.app), submitted, args.num_supernodes)
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = run_simulation(
+            args.app,
+            overrides=args.overrides,
+            num_supernodes=num_supernodes,
+            num_cpus_per_client=args.num_cpus,
+            num_gpus_per_client=args.num_gpus,
+            run_config=run_config,
+            timeout=args.timeout,
+            flwr_home=args.flwr_home,
+        )
+    except (LaunchError, ValueError) as err:
+        print(f"launch error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the SuperLink was already stopped by run_simulation's finally
+        print("interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as err:  # SIGTERM/SIGHUP, after the same clean-up
+        print("terminated", file=sys.stderr)
+        return int(err.code or 1)
+
+    if args.log_file:
+        Path(args.log_file).write_text(result.log, encoding="utf-8")
+    print(result.log if args.tail == 0 else result.tail(args.tail))
+    print(
+        f"run {result.run_id}: {result.status}"
+        + (f" ({result.details})" if result.details not in ("", "N/A") else "")
+        + (" [timed out]" if result.timed_out else "")
+        + f" in {result.seconds:.1f} s"
+    )
+    return 0 if result.completed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

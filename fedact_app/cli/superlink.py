@@ -1,0 +1,144 @@
+"""A private simulation SuperLink process for :mod:`.launch`: started on a free loopback port
+(``flower-superlink --insecure --simulation --disable-runtime-dependency-installation``; in Flower
+1.41 the Control, Runtime (ServerAppIo) and Fleet APIs are all served over HTTP on that single
+``--host/--port``), ready once it answers ``/health``, and stopped with everything it spawned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedact_app.cli.flwr import LaunchError, flower_executable, free_port, strip_ansi
+from fedact_app.cli.procs import descendants, kill_quietly, pid_alive
+
+STARTUP_TIMEOUT = 60.0  # seconds for the SuperLink to answer /health
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+
+
+@dataclass
+class SimulationSuperLink:
+    """A running ``flower-superlink`` (simulation mode) and the pids of its process tree seen so far."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_file: Path
+    seen: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    def start(cls, home: Path, env: dict[str, str], cwd: Path, deadline: float) -> SimulationSuperLink:
+        """Start on a free loopback port; retry with another port if it dies while starting."""
+        errors = []
+        for attempt in range(3):
+            port = free_port()
+            log_file = home / f"superlink-{port}.log"
+            cmd = [
+                flower_executable("flower-superlink"),
+                "--insecure",
+                "--simulation",
+                "--disable-runtime-dependency-installation",
+                "--host", "127.0.0.1",
+                "--port", str(port),
+                "--log-file", str(log_file),
+            ]  # fmt: skip
+            with (home / f"superlink-{port}.out").open("wb") as out:
+                proc = subprocess.Popen(  # noqa: S603
+                    cmd,
+                    cwd=cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # own process group: Ctrl-C reaches us, we clean up
+                )
+            link = cls(proc, port, log_file)
+            try:
+                if link._wait_ready(min(deadline, time.monotonic() + STARTUP_TIMEOUT)):
+                    return link
+            except BaseException:
+                link.stop()
+                raise
+            link.stop()
+            errors.append(f"attempt {attempt + 1} (port {port}): {link.output_tail()}")
+            if time.monotonic() >= deadline:
+                break
+        raise LaunchError("flower-superlink did not become ready:\n" + "\n".join(errors))
+
+    def _wait_ready(self, until: float) -> bool:
+        url = f"http://127.0.0.1:{self.port}/health"
+        while time.monotonic() < until:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:  # noqa: S310 - loopback
+                    if resp.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        return False
+
+    def output_tail(self, chars: int = 3000) -> str:
+        out = self.log_file.with_suffix(".out")
+        text = out.read_text(encoding="utf-8", errors="replace") if out.exists() else ""
+        return strip_ansi(text)[-chars:]
+
+    def stop(self) -> tuple[int, ...]:
+        """Stop the SuperLink and everything it spawned; return all pids seen.
+
+        SIGTERM to the SuperLink lets it stop its SuperExec, but a ``flwr-simulation`` process
+        and its Ray cluster (own process group, under the SuperExec) survive it. So: snapshot
+        the process tree, SIGTERM the SuperLink, then SIGTERM and finally SIGKILL whatever of the
+        tree (and of the tree's process groups) is left.
+        """
+        self._snapshot()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                self._snapshot()
+                self.proc.kill()
+                self.proc.wait()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self._signal_leftovers(sig):
+                break
+            until = time.monotonic() + STOP_GRACE
+            while time.monotonic() < until and any(pid_alive(p) for p in self.seen):
+                time.sleep(0.1)
+        return tuple(sorted(self.seen | {self.pid}))
+
+    def _snapshot(self) -> None:
+        self.seen |= descendants(self.pid)
+
+    def _signal_leftovers(self, sig: int) -> bool:
+        own_group = os.getpgrp()
+        alive = [p for p in self.seen if pid_alive(p)]
+        groups = {g for p in alive if (g := _pgid(p)) is not None and g != own_group}
+        for pid in alive:  # their children too, before they are re-parented away
+            self.seen |= descendants(pid)
+        for target in sorted(self.seen):
+            if pid_alive(target):
+                kill_quietly(target, sig)
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return bool(alive)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None

@@ -1,0 +1,283 @@
+"""Vision data, step 1: the train and test splits as Hugging Face ``datasets.Dataset`` objects with
+two columns, ``image`` and ``label`` (renamed from ``dataset.image_column`` /
+``dataset.label_column``), labels checked to lie in ``[0, num_classes)`` (:func:`load_splits`).
+
+Sources (``dataset.name`` / ``dataset.path`` / ``dataset.hub_path``):
+
+- ``digits``: scikit-learn's ``load_digits()`` (1,797 real 8x8 digits shipped in the wheel),
+  pixel values / 16 in [0, 1], split 80/20 stratified with a fixed ``random_state``
+  (:data:`DIGITS_SPLIT_SEED`, independent of the run's seed so every run tests on the same 360).
+- ``synthetic``: class-conditional images, one random mean pattern per class plus Gaussian noise,
+  clipped to [0, 1]; deterministic for the seed; learnable (for tests and smoke runs).
+- hub datasets (``dataset.path`` null): ``datasets.load_dataset(dataset.hub_path)`` with
+  ``cache_dir=data_dir``. Offline without a cached copy this raises
+  :class:`DatasetUnavailableError`.
+- ``dataset.path`` set: local data in one of the layouts below, read with the same column names as
+  the hub dataset (``dataset.image_column`` / ``dataset.label_column``):
+
+  - a folder of parquet files named by split: ``<path>/<split>*.parquet``, e.g. ``train.parquet``,
+    ``test-00000-of-00001.parquet`` (or one level down, as in a clone of a hub repository:
+    ``<path>/data/<split>-*.parquet``);
+  - a folder with one sub-folder of parquet files per split: ``<path>/<split>/*.parquet``;
+  - one parquet file per split given by a pattern with ``{split}``: ``/data/c10-{split}.parquet``;
+  - the training split's parquet file, e.g. ``/data/train.parquet``: the test file is the sibling
+    whose name has the test split's name in place of the train split's (``/data/test.parquet``);
+  - an image folder: ``<path>/<split>/<class name>/<image files>`` for the train and test split
+    (``datasets``' ``imagefolder``). Class ids follow the sorted class-folder names, and the
+    columns are always ``image``/``label`` (``image_column``/``label_column`` are not used).
+
+Images are decoded to ``dataset.channels`` (grayscale images of an RGB dataset such as
+Tiny-ImageNet are converted to RGB) and resized (bilinear) when their size differs from
+``dataset.image_size``. Non-image columns (``digits``, ``synthetic``) hold float arrays in [0, 1]
+shaped (C, H, W).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Sequence
+
+import datasets  # importable on the CPU torch: see fedact_app/tasks/vision/__init__.py
+import numpy as np
+import pyarrow.parquet as pq
+
+from fedact_app.config import ConfigError, DatasetConfig
+from fedact_app.tasks.hub import HubUnavailableError, unavailable_message
+
+DIGITS_SPLIT_SEED = 0  # fixed: the digits train/test split never depends on the run's seed
+DIGITS_TEST_FRACTION = 0.2
+SYNTHETIC_NOISE_STD = 0.3
+IMAGE = "image"
+LABEL = "label"
+
+
+class DatasetUnavailableError(HubUnavailableError):
+    """A hub dataset could not be loaded (offline, or not in the cache)."""
+
+
+def load_splits(
+    cfg: DatasetConfig, data_dir: str | None = None, seed: int = 42
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The train and test splits with columns ``image`` and ``label``, labels validated.
+
+    ``data_dir`` is the Hugging Face datasets cache (None: its default). ``seed`` only affects
+    ``synthetic``. See the module docstring for the accepted sources and local layouts.
+    """
+    columns = (IMAGE, LABEL)
+    if cfg.name == "digits":
+        train, test = _digits_splits()
+    elif cfg.name == "synthetic":
+        train, test = _synthetic_splits(cfg, seed)
+    else:
+        train, test, columns = _load_external(cfg, resolve_path(data_dir))
+        train = _normalize_columns(train, columns, cfg, cfg.train_split)
+        test = _normalize_columns(test, columns, cfg, cfg.test_split)
+    for split_name, split in ((cfg.train_split, train), (cfg.test_split, test)):
+        _check_labels(split, cfg, split_name, columns[1])
+    return train, test
+
+
+def resolve_path(path: str | None) -> str | None:
+    """An absolute path (``~`` expanded), or None."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+
+def _digits_splits() -> tuple[datasets.Dataset, datasets.Dataset]:
+    """scikit-learn's digits as (1, 8, 8) float images in [0, 1], stratified 80/20 split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[:, None]
+    labels = digits.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        images, labels, test_size=DIGITS_TEST_FRACTION, stratify=labels, random_state=DIGITS_SPLIT_SEED
+    )
+    return _array_dataset(x_tr, y_tr), _array_dataset(x_te, y_te)
+
+
+def _synthetic_splits(cfg: DatasetConfig, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Class-conditional images: a random mean pattern per class plus noise, clipped to [0, 1]."""
+    means_seq, train_seq, test_seq = np.random.SeedSequence(seed % 2**63).spawn(3)
+    shape = (cfg.channels, cfg.image_size, cfg.image_size)
+    means = np.random.default_rng(means_seq).uniform(0.0, 1.0, (cfg.num_classes, *shape))
+
+    def sample(seq: np.random.SeedSequence, n: int) -> datasets.Dataset:
+        rng = np.random.default_rng(seq)
+        labels = rng.permutation(np.arange(n) % cfg.num_classes).astype(np.int64)
+        noise = rng.normal(0.0, SYNTHETIC_NOISE_STD, (n, *shape))
+        images = np.clip(means[labels] + noise, 0.0, 1.0).astype(np.float32)
+        return _array_dataset(images, labels)
+
+    return sample(train_seq, cfg.num_train), sample(test_seq, cfg.num_test)
+
+
+def _array_dataset(images: np.ndarray, labels: np.ndarray) -> datasets.Dataset:
+    """A Dataset of float (C, H, W) image arrays and int64 labels."""
+    features = datasets.Features(
+        {IMAGE: datasets.Array3D(shape=images.shape[1:], dtype="float32"), LABEL: datasets.Value("int64")}
+    )
+    return datasets.Dataset.from_dict({IMAGE: images, LABEL: labels}, features=features)
+
+
+def _load_external(
+    cfg: DatasetConfig, data_dir: str | None
+) -> tuple[datasets.Dataset, datasets.Dataset, tuple[str, str]]:
+    """The raw train/test splits from ``cfg.path`` if set, else from the hub, and their
+    (image, label) column names: the configured ones, or ``image``/``label`` for an image folder."""
+    splits = (cfg.train_split, cfg.test_split)
+    columns = (cfg.image_column, cfg.label_column)
+    if cfg.path is None:
+        loaded = _load_hub(cfg, data_dir)
+        source = f"hub dataset '{cfg.hub_path}'"
+    else:
+        builder, data_files = _local_data_files(resolve_path(cfg.path), splits)
+        loaded = datasets.load_dataset(builder, data_files=data_files, cache_dir=data_dir)
+        source = f"dataset.path={cfg.path!r}"
+        if builder == "imagefolder":
+            columns = (IMAGE, LABEL)
+    missing = [s for s in splits if s not in loaded]
+    if missing:
+        raise ValueError(
+            f"The {source} has no split(s) {missing}; it has {sorted(loaded)}. "
+            "Set dataset.train_split / dataset.test_split to existing splits."
+        )
+    return loaded[cfg.train_split], loaded[cfg.test_split], columns
+
+
+def _load_hub(cfg: DatasetConfig, data_dir: str | None) -> datasets.DatasetDict:
+    """``load_dataset(cfg.hub_path)``; any I/O failure becomes a DatasetUnavailableError."""
+    if not cfg.hub_path:
+        raise ValueError(f"dataset {cfg.name!r} has neither dataset.path nor dataset.hub_path set.")
+    try:
+        return datasets.load_dataset(cfg.hub_path, cache_dir=data_dir)
+    except OSError as exc:  # ConnectionError, OfflineModeIsEnabled, DatasetNotFoundError, ...
+        hint = ("use local data with `dataset.path=<local parquet folder or image folder>` "
+                f"(dataset={cfg.name}): parquet files for the splits '{cfg.train_split}' and "
+                f"'{cfg.test_split}' with an image column '{cfg.image_column}' and an integer label column "
+                f"'{cfg.label_column}' (values in [0, {cfg.num_classes})), or an image folder "
+                f"<path>/{cfg.train_split}/<class>/* and <path>/{cfg.test_split}/<class>/*.")
+        raise DatasetUnavailableError(unavailable_message("dataset", cfg.hub_path, exc, hint, data_dir)) from exc
+
+
+def _local_data_files(path: str, splits: Sequence[str]) -> tuple[str, dict[str, list[str]]]:
+    """The ``load_dataset`` builder ("parquet" or "imagefolder") and data files per split."""
+    if "{split}" in path:
+        return "parquet", {s: _existing_files(path.format(split=s), path) for s in splits}
+    root = Path(path)
+    if root.is_file():
+        return "parquet", _sibling_split_files(root, splits)
+    if not root.is_dir():
+        raise FileNotFoundError(f"dataset.path={path!r} does not exist (expected a parquet file or folder, "
+                                "or an image folder; see fedact_app/tasks/vision/splits.py)")
+    if all((root / s).is_dir() for s in splits):
+        if all(glob.glob(str(root / s / "*.parquet")) for s in splits):
+            return "parquet", {s: sorted(glob.glob(str(root / s / "*.parquet"))) for s in splits}
+        return "imagefolder", {s: [str(root / s / "**")] for s in splits}
+    return "parquet", {s: _split_parquet_files(root, s) for s in splits}
+
+
+def check_local_path(cfg: DatasetConfig) -> None:
+    """Refuse a ``dataset.path`` the run could not read, without loading any data (milliseconds):
+    ConfigError naming it when it fits none of the layouts above, when a split of an image folder
+    holds no file, or when a parquet file's footer cannot be read (a truncated or non-parquet
+    file). The launcher calls it before starting a SuperLink: in simulation every ClientApp reads
+    this path on the same machine. ``compose()`` does not, since on a SuperNode the path names
+    that node's files."""
+    try:
+        builder, data_files = _local_data_files(resolve_path(cfg.path), (cfg.train_split, cfg.test_split))
+        for split, files in data_files.items():
+            if builder == "imagefolder":  # files: one recursive pattern, <path>/<split>/**
+                if not any(os.path.isfile(f) for f in glob.iglob(files[0], recursive=True)):
+                    raise FileNotFoundError(f"the image folder's {split!r} split holds no files")
+                continue
+            for file in files:
+                _read_parquet_footer(file)
+    except (OSError, ValueError) as err:  # the layout's FileNotFoundError / ValueError, the footer's
+        raise ConfigError(f"Invalid config value dataset.path={cfg.path!r}: allowed a parquet file, a folder "
+                          f"of parquet files or an image folder that can be read (fedact_app/tasks/vision/splits.py); {err}"
+                          ) from None
+
+
+def _read_parquet_footer(file: str) -> None:
+    """Read only ``file``'s parquet footer (schema, row groups); ValueError naming it if that fails."""
+    try:
+        pq.read_metadata(file)
+    except (OSError, ValueError) as err:  # pyarrow: ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise ValueError(f"{file} is not a readable parquet file: {err}") from None
+
+
+def _existing_files(pattern: str, path: str) -> list[str]:
+    """The files matching ``pattern``; a clear error naming ``dataset.path`` if none do."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"dataset.path={path!r}: no file matches {pattern!r}")
+    return files
+
+
+def _sibling_split_files(train_file: Path, splits: Sequence[str]) -> dict[str, list[str]]:
+    """Files per split from the train split's parquet file (its name holds the split's name)."""
+    train_split = splits[0]
+    if train_file.suffix != ".parquet" or train_split not in train_file.name:
+        raise ValueError(
+            f"dataset.path={str(train_file)!r} is a file: it must be the '{train_split}' split's "
+            f".parquet file with '{train_split}' in its name (or use a folder, or a pattern with "
+            "'{split}')."
+        )
+    head, _, tail = train_file.name.rpartition(train_split)
+    files = {s: train_file.with_name(f"{head}{s}{tail}") for s in splits}
+    for split, file in files.items():
+        if not file.is_file():
+            raise FileNotFoundError(f"dataset.path={str(train_file)!r}: the {split!r} split's file "
+                                    f"{str(file)!r} does not exist")
+    return {s: [str(f)] for s, f in files.items()}
+
+
+def _split_parquet_files(root: Path, split: str) -> list[str]:
+    """``<root>/<split>*.parquet``, else ``<root>/*/<split>*.parquet``; clear error if neither."""
+    for pattern in (root / f"{split}*.parquet", root / "*" / f"{split}*.parquet"):
+        files = sorted(glob.glob(str(pattern)))
+        if files:
+            return files
+    raise FileNotFoundError(
+        f"dataset.path={str(root)!r}: no parquet files for split {split!r} (looked for "
+        f"{split}*.parquet, */{split}*.parquet, {split}/*.parquet) and it is not an image folder "
+        f"with {split}/<class>/ sub-folders"
+    )
+
+
+def _normalize_columns(
+    ds: datasets.Dataset, columns: tuple[str, str], cfg: DatasetConfig, split: str
+) -> datasets.Dataset:
+    """Keep only the (image, label) ``columns``, renamed to ``image`` and ``label``."""
+    for column, role in zip(columns, ("image_column", "label_column")):
+        if column not in ds.column_names:
+            raise ValueError(
+                f"dataset.{role}={column!r} is not a column of the {split!r} split of dataset "
+                f"{cfg.name!r}; its columns are {ds.column_names}"
+            )
+    ds = ds.select_columns(list(columns))
+    renames = {old: new for old, new in zip(columns, (IMAGE, LABEL)) if old != new}
+    return ds.rename_columns(renames) if renames else ds
+
+
+def _check_labels(ds: datasets.Dataset, cfg: DatasetConfig, split: str, column: str) -> None:
+    """Labels must be integers in [0, num_classes): clear error naming the column and value."""
+    labels = labels_of(ds)
+    where = f"Label column '{column}' of the {split!r} split of dataset {cfg.name!r}"
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{where} holds {labels.dtype} values; integer class ids are required")
+    bad = labels[(labels < 0) | (labels >= cfg.num_classes)]
+    if bad.size:
+        raise ValueError(
+            f"{where} holds the label {bad[0]}, outside [0, {cfg.num_classes}) "
+            f"(dataset.num_classes={cfg.num_classes}); {bad.size} of {labels.size} labels are out of range"
+        )
+
+
+def labels_of(ds: datasets.Dataset) -> np.ndarray:
+    """The label column as a numpy array (respecting any row selection)."""
+    return np.asarray(ds.with_format("numpy", columns=[LABEL])[:][LABEL])
+

@@ -1,0 +1,89 @@
+"""Vision data, step 2: a split decoded into memory as :class:`ImageTensors` (float32, resized to
+``dataset.image_size``, normalized with the dataset's mean/std)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+
+from fedact_app.config import DatasetConfig
+from fedact_app.tasks.vision.splits import IMAGE, labels_of
+
+
+@dataclass
+class ImageTensors:
+    """A split held in memory: normalized float32 images (N, C, H, W) and int64 labels (N,).
+
+    Cached instances are shared between callers: treat the tensors as read-only.
+    """
+
+    images: Tensor
+    labels: Tensor
+
+    def to(self, device: torch.device | str) -> "ImageTensors":
+        """The same data on ``device`` (no copy where it is already there)."""
+        return ImageTensors(self.images.to(device), self.labels.to(device))
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+def to_image_tensors(ds: datasets.Dataset, cfg: DatasetConfig) -> ImageTensors:
+    """Decode a split (columns ``image``/``label``) into normalized float32 tensors."""
+    images = _decode_images(ds, cfg)
+    images = _resize(images, cfg.image_size)
+    mean = torch.tensor(cfg.mean, dtype=torch.float32).view(-1, 1, 1)
+    std = torch.tensor(cfg.std, dtype=torch.float32).view(-1, 1, 1)
+    labels = torch.from_numpy(labels_of(ds).astype(np.int64))
+    return ImageTensors(((images - mean) / std).contiguous(), labels)
+
+
+def _decode_images(ds: datasets.Dataset, cfg: DatasetConfig) -> Tensor:
+    """(N, C, H, W) float32 in [0, 1], from PIL images or from float (C, H, W) arrays."""
+    feature = ds.features[IMAGE]
+    if isinstance(feature, dict) and "bytes" in feature:  # parquet written without HF metadata
+        ds = ds.cast_column(IMAGE, datasets.Image())
+        feature = ds.features[IMAGE]
+    if not isinstance(feature, datasets.Image):
+        return _array_images(ds, cfg)
+    chunks = [_pil_batch(batch[IMAGE], cfg) for batch in ds.select_columns([IMAGE]).iter(batch_size=1024)]
+    return torch.cat(chunks) if chunks else torch.empty(0, cfg.channels, cfg.image_size, cfg.image_size)
+
+
+def _array_images(ds: datasets.Dataset, cfg: DatasetConfig) -> Tensor:
+    """Float image arrays (N, C, H, W) or (N, H, W), checked against ``cfg.channels``."""
+    images = torch.as_tensor(np.asarray(ds.with_format("numpy", columns=[IMAGE])[:][IMAGE], dtype=np.float32))
+    if images.dim() == 3:
+        images = images.unsqueeze(1)
+    if images.dim() != 4 or images.shape[1] != cfg.channels:
+        raise ValueError(f"Image arrays of dataset {cfg.name!r} have shape {tuple(images.shape[1:])}; "
+                         f"expected ({cfg.channels}, H, W)")
+    return images
+
+
+def _pil_batch(images: list[Any], cfg: DatasetConfig) -> Tensor:
+    """PIL images -> (B, C, S, S) float32 in [0, 1]: mode converted, resized to S if needed."""
+    mode = "RGB" if cfg.channels == 3 else "L"
+    size = (cfg.image_size, cfg.image_size)
+    arrays = []
+    for image in images:
+        image = image.convert(mode)
+        if image.size != size:
+            image = image.resize(size, Image.BILINEAR)
+        arrays.append(np.asarray(image, dtype=np.uint8).reshape(cfg.image_size, cfg.image_size, cfg.channels))
+    batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
+    return batch.float().div_(255.0)
+
+
+def _resize(images: Tensor, size: int) -> Tensor:
+    """Bilinear resize of an (N, C, H, W) batch to (size, size) when it is not that size."""
+    if images.shape[-2:] == (size, size) or images.shape[0] == 0:
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+
