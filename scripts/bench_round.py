@@ -58,7 +58,7 @@ from fedact_app.cli.launch import run_simulation  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
-from fedact_app.train import cosine_lr, resolve_device, train_steps  # noqa: E402
+from fedact_app.train import batch_generator, cosine_lr, resolve_device, train_steps  # noqa: E402
 from fedact_app.wire import array_record  # noqa: E402
 
 FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client optimizer is FedACTAdamW
@@ -109,7 +109,8 @@ def server_check_seconds(updates: list[ClientUpdate], x: TensorDict, trainable: 
     checks (``decode_update``) and the round's diagnostics (DC, ||Delta_G||)."""
     contents = [RecordDict({"delta": array_record(u.delta), **{k: array_record(a) for k, a in u.arrays.items()},
                             "metrics": MetricRecord({"num-examples": u.num_examples, "num-steps": u.num_steps,
-                                                     "lr-sum": u.lr_sum})}) for u in updates]
+                                                     "lr-sum": u.lr_sum, "train-loss": 0.0})})
+                for u in updates]
     start = time.perf_counter()
     decoded = [decode_update(c, x, server.reply_keys, trainable, server.nonnegative_keys) for c in contents]
     direction_consistency([u.delta for u in decoded], trainable)

@@ -27,7 +27,7 @@ def test_conf_groups_name_exactly_the_registrys_methods_datasets_and_models():
 
 def test_builders_presets_rules_and_tasks_agree_with_the_registry():
     from fedact_app.algorithms import ALGORITHMS, RULES
-    from fedact_app.models import MODELS as VISION_BUILDERS
+    from fedact_app.tasks.vision.models import MODELS as VISION_BUILDERS
     from fedact_app.tasks.llama import PRESETS
 
     assert set(VISION_BUILDERS) == set(registry.VISION_MODELS)
