@@ -124,7 +124,8 @@ class FedACTAdamW(LazyDynamoOptimizer):
             over tensors (``None``, the default: on). Both compute the same thing.
         fused: m, v and u as one call of torch's fused AdamW kernel and the update as one call
             of its fused SGD kernel, with FedACT's coefficients (kernels.py); equal to the eager
-            operations up to rounding. ``None`` (default): on for CPU parameters, off elsewhere.
+            operations up to rounding (where float16's ``eps`` underflows the kernel gives 0 where
+            the eager ``0/0`` gives NaN, as in torch's AdamW). ``None`` (default): on for CPU parameters, off elsewhere.
             ``True``: on where the kernels can run; where they cannot (a device other than CPU
             or CUDA, a non-contiguous parameter or gradient such as channels_last, the update of
             bfloat16/float16 parameters) those tensors take the eager operations and a

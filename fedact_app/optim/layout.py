@@ -23,7 +23,8 @@ from torch import Tensor
 
 from fedact_app.optim.topk import TopKSelector, _select_on_host
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "delta_g")
+# Settings of the trust modulation that one global top-k selection needs to agree on.
+TRUST_KEYS = ("rho", "tau", "alpha", "gamma", "trust_scope", "trust_signal", "scale_matched")
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # torch 2.13's CPU fused SGD kernel does not store bfloat16/float16 parameters from its vectorized
@@ -206,6 +207,3 @@ class Workspace:
                 offsets[run.device] = start + n
         return selections
 
-
-# Settings of the trust modulation that one global top-k selection needs to agree on.
-TRUST_KEYS = ("rho", "tau", "alpha", "gamma", "trust_scope", "trust_signal", "scale_matched")
