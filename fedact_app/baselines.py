@@ -46,13 +46,31 @@ def _set_round_state(optimizer: Optimizer, key: str, arrays: Optional[Sequence[T
     params = [p for group in optimizer.param_groups for p in group["params"]]
     _check_aligned(key, arrays, params)
     for i, p in enumerate(params):
+        if arrays is None:  # no entry is created, and one left empty is removed
+            state = optimizer.state.get(p)
+            if state is not None:
+                state.pop(key, None)
+                if not state:
+                    del optimizer.state[p]
+            continue
         state = optimizer.state[p]
-        if arrays is None:
-            state.pop(key, None)
-        elif key in state:
+        if key in state:
             state[key].copy_(arrays[i])
         else:
             state[key] = arrays[i].detach().to(device=p.device, dtype=p.dtype).clone()
+
+
+def _check_gradients(optimizer: Optimizer) -> None:
+    """Refuse sparse and complex gradients before the step changes any state."""
+    name = type(optimizer).__name__
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            if torch.is_complex(p) or torch.is_complex(p.grad):
+                raise RuntimeError(f"{name} does not support complex parameters or gradients")
 
 
 class LocalSGD(LazyDynamoOptimizer):
@@ -109,7 +127,7 @@ class LocalSGD(LazyDynamoOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
+                state = self.state.get(p, {})  # no empty entry for a parameter without round state
                 d = p.grad.add(p, alpha=weight_decay) if weight_decay else p.grad.clone()
                 if mu and "anchor" in state:
                     d.add_(p, alpha=mu).sub_(state["anchor"], alpha=mu)
@@ -230,6 +248,7 @@ class FedLADAAdam(LazyDynamoOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _check_gradients(self)
         for group in self.param_groups:
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             weight_decay, rho = group["weight_decay"], group["rho"]

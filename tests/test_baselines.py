@@ -360,6 +360,40 @@ def test_optimizers_work_without_begin_round():
     assert_close(q.detach(), [1.0 - 0.05 / math.sqrt(0.5e-16 + 2.0)])
 
 
+def test_local_sgd_keeps_no_empty_state_entries():
+    """LocalSGD holds state only for the round's anchor and correction: steps and a begin_round
+    that switches both off leave no (empty) entry per parameter, so state_dict() stays empty."""
+    p, q = torch.nn.Parameter(t([1.0, -1.0])), torch.nn.Parameter(t([2.0]))
+    opt = LocalSGD([p, q], lr=0.1, mu=1.0)
+    p.grad, q.grad = t([0.5, 0.5]), t([1.0])
+    opt.step()
+    opt.begin_round()
+    assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
+    opt.begin_round(anchor=[t([0.0, 0.0]), t([0.0])])
+    assert set(opt.state[p]) == {"anchor"}
+    opt.begin_round(anchor=None)
+    opt.step()
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("kind", ["sparse", "complex"])
+def test_fedlada_refuses_sparse_and_complex_gradients_before_changing_state(kind):
+    """The error names the optimizer and the cause, and comes before any moment changes (the
+    first parameter's m and v, updated before the second's gradient was looked at, stay put)."""
+    dtype = torch.complex64 if kind == "complex" else torch.float32
+    p = torch.nn.Parameter(t([1.0, -1.0]))
+    q = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    opt = FedLADAAdam([p, q], lr=0.1)
+    opt.begin_round()
+    p.grad = t([0.5, 0.5])
+    q.grad = torch.ones(3, dtype=dtype).to_sparse() if kind == "sparse" else torch.ones(3, dtype=dtype)
+    before = {key: value.clone() for key, value in opt.state[p].items()}
+    with pytest.raises(RuntimeError, match=f"FedLADAAdam does not support {kind}"):
+        opt.step()
+    assert all(torch.equal(opt.state[p][key], value) for key, value in before.items())
+    assert torch.equal(p.detach(), t([1.0, -1.0]))
+
+
 # ------------------------------------------------------------------ SCAFFOLD's c_i in Context.state
 
 

@@ -1,0 +1,129 @@
+"""The exact top-k selection (fedact_app.optim.topk) against a stable descending sort.
+
+The oracle is ``torch.sort(s, descending=True, stable=True)``: the k largest entries, ties to the
+lowest index.
+"""
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+import fedact_app.optim.topk as topk
+from fedact_app.optim import top_k_indicator_
+
+
+def _stable_top_k(s, k):
+    """1 on the k largest entries of s (stable descending sort: ties to the lowest index)."""
+    top = torch.zeros_like(s)
+    top[torch.sort(s, descending=True, stable=True).indices[:k]] = 1
+    return top
+
+
+def _host_and_device_top_k(s, k, on_host, monkeypatch=None):
+    """The public top_k_indicator_ on the host engine (numpy) or the device engine (numpy hidden)."""
+    if not on_host and s.device.type == "cpu":
+        monkeypatch.setattr(topk, "np", None)
+    return top_k_indicator_(s, k)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-topk"])
+@pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "signed zeros", "all equal"])
+def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
+    """Above _BRACKET_MIN (sample, bracket, exact count, chunks on threads) and on the device path:
+    exactly floor(tau*d) ones, ties to the lowest index, whatever the ties."""
+    monkeypatch.setattr(topk, "_BRACKET_MIN", 1 << 16)
+    monkeypatch.setattr(topk, "_HOST_CHUNK", 1 << 16)
+    d = (1 << 18) + 3
+    gen = torch.Generator().manual_seed(5)
+    s = {"normal": lambda: torch.randn(d, generator=gen),
+         "70% zeros": lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.7),
+         "five values": lambda: torch.randint(0, 5, (d,), generator=gen).float(),
+         "signed zeros": lambda: torch.randn(d, generator=gen).clamp(min=0) * torch.tensor([1.0, -0.0]).repeat(d)[:d],
+         "all equal": lambda: torch.ones(d)}[kind]()
+    for tau in (1e-6, 0.3, 0.5, 0.999999):
+        k = math.floor(tau * d)
+        assert torch.equal(_host_and_device_top_k(s.clone(), k, on_host, monkeypatch), _stable_top_k(s, k)), tau
+
+
+def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
+    """The host selection's thread map: results in item order, the items cut into one run of
+    consecutive items per thread by their sizes, the calling thread working too."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    sizes = [50, 1, 1, 1, 1, 1, 1, 1, 1, 30, 2]
+    seen = {}
+
+    def square(x):
+        seen[x] = threading.get_ident()
+        return x * x
+
+    assert topk.host_map(square, list(range(len(sizes))), sizes) == [x * x for x in range(len(sizes))]
+    assert seen[0] == threading.get_ident()  # the first run (item 0 alone: 50 of 91) stays here
+    assert len({seen[i] for i in range(1, 10)}) == 1 and seen[1] != seen[0]
+    assert seen[10] != seen[0]  # the third run: a pool thread (maybe the one that ran the second)
+    assert [list(r) for r in topk._balanced_runs([1, 1], 3)] == [[0], [1], []]
+    with pytest.raises(ValueError, match="2 sizes for 3 items"):
+        topk.host_map(square, [0, 1, 2], [1, 1])
+
+    finished = []
+
+    def fail_here_finish_there(x):  # item 0 runs on this thread and raises; item 1 takes a while
+        if x == 0:
+            raise KeyError("boom")
+        time.sleep(0.2)
+        finished.append(x)
+
+    with pytest.raises(KeyError):
+        topk.host_map(fail_here_finish_there, [0, 1], [1, 1])
+    assert finished == [1]  # the other thread's run had ended before the error came out
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-topk"])
+def test_top_k_indicator_on_small_tensors_of_every_dtype(on_host, monkeypatch):
+    """The public function on small 1-D tensors (one np.partition, no bracket), float32 and
+    float64, with ties, for every k from 0 to d."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.float64):
+        s = torch.randint(-3, 4, (37,), generator=gen).to(dtype)
+        for k in range(s.numel() + 1):
+            out = _host_and_device_top_k(s.clone(), k, on_host, monkeypatch)
+            assert out.dtype == dtype and torch.equal(out, _stable_top_k(s, k)), (dtype, k)
+
+
+def test_top_k_indicator_works_in_place_and_validates():
+    s = torch.tensor([0.5, 2.0, -1.0, 2.0])
+    assert top_k_indicator_(s, 2) is s and s.tolist() == [0.0, 1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="Invalid k: 5; expected an integer in \\[0, 4\\]"):
+        top_k_indicator_(torch.zeros(4), 5)
+    with pytest.raises(ValueError, match="Invalid k"):
+        top_k_indicator_(torch.zeros(4), -1)
+    with pytest.raises(ValueError, match="1-D floating"):
+        top_k_indicator_(torch.zeros(2, 2), 1)
+    with pytest.raises(ValueError, match="1-D floating"):
+        top_k_indicator_(torch.arange(4), 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        top_k_indicator_(torch.zeros(8)[::2], 1)
+
+
+# Not run by CI (no GPU there). On a GPU machine: python3 -m pytest -q tests/test_optim_topk.py -k cuda
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "all equal"])
+def test_cuda_selection_on_a_large_segment_is_exact(kind):
+    """torch.topk's multi-block path (one slice of 2^20 + 3 scores) with the device tie-break:
+    exactly floor(tau*d) ones, ties to the lowest index, as a stable sort on the CPU."""
+    d = (1 << 20) + 3
+    gen = torch.Generator().manual_seed(7)
+    s = {"normal": lambda: torch.randn(d, generator=gen),
+         "70% zeros": lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.7),
+         "five values": lambda: torch.randint(0, 5, (d,), generator=gen).float(),
+         "all equal": lambda: torch.ones(d)}[kind]()
+    for tau in (1e-6, 0.3, 0.5, 0.999999):
+        k = math.floor(tau * d)
+        top = top_k_indicator_(s.cuda(), k)
+        assert torch.equal(top.cpu(), _stable_top_k(s, k)), tau
