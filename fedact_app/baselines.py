@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from fedact_app.optimizer_base import LazyDynamoOptimizer
+from fedact_app.registry import require_hyperparameters
 
 __all__ = ["LocalSGD", "FedLADAAdam"]
 
@@ -100,12 +101,7 @@ class LocalSGD(LazyDynamoOptimizer):
     """
 
     def __init__(self, params, lr: float = 0.1, weight_decay: float = 0.0, mu: float = 0.0) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid lr: {lr!r}; expected lr >= 0")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay: {weight_decay!r}; expected weight_decay >= 0")
-        if not 0.0 <= mu:
-            raise ValueError(f"Invalid mu: {mu!r}; expected mu >= 0")
+        require_hyperparameters(lr=lr, weight_decay=weight_decay, mu=mu)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, mu=mu))
 
     @torch.no_grad()
@@ -172,16 +168,9 @@ class FedLADAAdam(LazyDynamoOptimizer):
 
     def __init__(self, params, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, rho: float = 0.5) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid lr: {lr!r}; expected lr >= 0")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Invalid betas: {betas!r}; expected two values (beta1, beta2), each in [0, 1)")
-        if not 0.0 < eps:
+        require_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rho=rho)
+        if not 0.0 < eps:  # stricter than the common range: v_hat starts at eps**2
             raise ValueError(f"Invalid eps: {eps!r}; expected eps > 0 (v_hat starts at eps**2)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay: {weight_decay!r}; expected weight_decay >= 0")
-        if not 0.0 <= rho <= 1.0:
-            raise ValueError(f"Invalid rho: {rho!r}; expected 0 <= rho <= 1")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       rho=rho))
 

@@ -202,8 +202,8 @@ class AlgorithmConfig:
     server_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # FedAdam server Adam
     server_eps: float = 1e-3  # FedAdam adaptivity tau (Reddi et al. 2021)
     weighting: str = "uniform"
-    compile: bool = False  # FedACT family: torch.compile the optimizer's fused passes (optim.py)
-    fused: Optional[bool] = None  # FedACT family: torch's fused AdamW/SGD kernels; None: on for CPU (optim.py)
+    compile: bool = False  # FedACT family: torch.compile the optimizer's fused passes (fedact_app/optim/kernels.py)
+    fused: Optional[bool] = None  # FedACT family: torch's fused AdamW/SGD kernels; None: on for CPU (fedact_app/optim/kernels.py)
 
     def __post_init__(self) -> None:
         _require_finite(self, "algorithm.")

@@ -115,3 +115,10 @@ def hyperparameter_errors(**values: Any) -> list[tuple[str, Any, str]]:
     if unknown:
         raise KeyError(f"no range for {sorted(unknown)}; known: {sorted(RANGES)} and alpha")
     return errors
+
+
+def require_hyperparameters(**values: Any) -> None:
+    """An optimizer's constructor check: ValueError naming the first value outside its range
+    (``hyperparameter_errors``) and what is allowed."""
+    for name, value, allowed in hyperparameter_errors(**values):
+        raise ValueError(f"Invalid {name}: {value!r}; expected {name} {allowed}")

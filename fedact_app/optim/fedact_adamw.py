@@ -15,11 +15,10 @@ from torch import Tensor
 from fedact_app.optim.kernels import fedact_step, phi_factors
 from fedact_app.optim.layout import TRUST_KEYS, Workspace
 from fedact_app.optimizer_base import LazyDynamoOptimizer
+from fedact_app.registry import TRUST_SCOPES, TRUST_SIGNALS, require_hyperparameters
 
 __all__ = ["FedACTAdamW", "TRUST_SCOPES", "TRUST_SIGNALS"]
 
-TRUST_SCOPES = ("global", "tensor")
-TRUST_SIGNALS = ("corrected", "local", "none")
 
 
 def _validate_hyperparameters(
@@ -29,31 +28,10 @@ def _validate_hyperparameters(
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"Invalid lr: a tensor of shape {tuple(lr.shape)}; expected a float or a "
                          f"one-element tensor (one learning rate per param group)")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid lr: {lr!r}; expected lr >= 0")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid eps: {eps!r}; expected eps >= 0")
-    if len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r}; expected two values (beta1, beta2), each in [0, 1)")
-    for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid betas[{i}]: {beta!r}; expected 0 <= betas[{i}] < 1")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay: {weight_decay!r}; expected weight_decay >= 0")
-    if not 0.0 <= rho <= 1.0:
-        raise ValueError(f"Invalid rho: {rho!r}; expected 0 <= rho <= 1")
-    if not 0.0 < tau <= 1.0:
-        raise ValueError(f"Invalid tau: {tau!r}; expected 0 < tau <= 1")
-    alpha = 1.0 / tau if alpha is None else alpha
+    alpha = 1.0 / tau if alpha is None and isinstance(tau, (int, float)) and tau > 0 else alpha
     gamma = tau if gamma is None else gamma
-    if not 0.0 <= gamma:
-        raise ValueError(f"Invalid gamma: {gamma!r}; expected gamma >= 0 (and alpha >= gamma)")
-    if not gamma <= alpha:
-        raise ValueError(f"Invalid alpha: {alpha!r} is below gamma={gamma!r}; expected alpha >= gamma >= 0")
-    if trust_scope not in TRUST_SCOPES:
-        raise ValueError(f"Invalid trust_scope: {trust_scope!r}; expected one of {TRUST_SCOPES}")
-    if trust_signal not in TRUST_SIGNALS:
-        raise ValueError(f"Invalid trust_signal: {trust_signal!r}; expected one of {TRUST_SIGNALS}")
+    require_hyperparameters(lr=float(lr) if isinstance(lr, Tensor) else lr, eps=eps, betas=betas, weight_decay=weight_decay, rho=rho, tau=tau,
+                            gamma=gamma, alpha=alpha, trust_scope=trust_scope, trust_signal=trust_signal)
     return float(alpha), float(gamma)
 
 
