@@ -1,5 +1,5 @@
 """Server rules of FedACT / FedAdamW against hand-computed values and a plain loop over
-DESIGN.md's formulas (x += server_lr * mean Delta; Delta_G = -mean(Delta / sum eta); v_bar = mean v)."""
+the seed's server rule (Algorithm 1, lines 22-24) (x += server_lr * mean Delta; Delta_G = -mean(Delta / sum eta); v_bar = mean v)."""
 
 import pytest
 import torch

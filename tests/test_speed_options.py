@@ -1,4 +1,4 @@
-"""The speed options (issue 7): bf16/fp16 wire format, bf16 autocast, channels_last, compile key.
+"""The speed options: bf16/fp16 wire format, bf16 autocast, channels_last, compile key.
 
 Each is checked against what it must equal, computed independently: a plain dtype cast for the
 wire format, a hand-cast bf16 matmul for autocast, the contiguous-format result for channels_last.
