@@ -18,10 +18,10 @@ stopped. ``run`` ends with ``report``.
 (``--metric final|best``) as mean ± std over seeds (scripts/table.py), and for the reference method
 (``--reference``, default fedact) against every other method: the per-seed difference
 (reference − baseline, in points), their mean ± std, the sign count (wins/losses/ties) and two-sided
-Wilcoxon signed-rank and paired t-test p-values (fedact_app.report.paired_stats). Runs are paired
+Wilcoxon signed-rank and paired t-test p-values (fedact_app.paired.paired_stats). Runs are paired
 by seed within one setting and must have trained the same clients in every round (metrics.jsonl's
 ``sampled_clients``): otherwise the comparison is refused and study.md says why
-(fedact_app.report.pair_runs). The accuracy and direction-consistency curves are drawn with
+(fedact_app.paired.pair_runs). The accuracy and direction-consistency curves are drawn with
 scripts/plot.py into ``<out>/figures``.
 """
 
@@ -46,9 +46,9 @@ import plot  # noqa: E402  (scripts/plot.py)
 import sweep  # noqa: E402  (scripts/sweep.py: the job runner)
 import table  # noqa: E402  (scripts/table.py)
 from fedact_app.config import CONF_DIR  # noqa: E402
+from fedact_app.paired import PairedComparison, paired_comparison, training_settings  # noqa: E402
 from fedact_app.report import (  # noqa: E402
-    METHODS, PairedComparison, ReportError, Run, group_runs, load_runs, method_name, paired_comparison,
-    training_settings, value_cells)
+    METHODS, ReportError, Run, group_runs, load_runs, method_name, value_cells)
 
 CURVES = ("test_accuracy", "direction_consistency")
 
