@@ -37,12 +37,14 @@ import hashlib
 import json
 import os
 import random
+from logging import WARNING
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from flwr.common import log
 from omegaconf import OmegaConf
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -326,10 +328,17 @@ class Checkpointer:
         return server_round == self.num_rounds or (self.every > 0 and server_round % self.every == 0)
 
     def client_states(self) -> dict[str, dict[str, TensorDict]]:
-        """Each partition's newest kept state: this run's client files over the restored ones."""
+        """Each partition's newest kept state: this run's client files over the restored ones. A
+        file holding NaN or inf (a client that diverged) is skipped with a warning: the partition
+        keeps its older entry, and one client cannot stop the run's checkpoints."""
         clients = dict(self.restored_clients)
         for file in sorted(self.client_state_dir.glob("*.safetensors")):
-            clients[file.stem] = _nested(load_file(str(file)))
+            tensors = load_file(str(file))
+            if diverged := non_finite(tensors):
+                log(WARNING, "%s holds non-finite values (%s); partition %s keeps its older state",
+                    file, describe_names(diverged), file.stem)
+                continue
+            clients[file.stem] = _nested(tensors)
         return clients
 
     def write(self, ckpt: Checkpoint) -> Path:

@@ -9,13 +9,15 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from logging import WARNING
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from fedact_app.algorithms import TensorDict
-from fedact_app.checkpoint import persist_client_state, restored_client_state
+from fedact_app.checkpoint import describe_names, non_finite, persist_client_state, restored_client_state
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import Config, compose
 from fedact_app.registry import FILE_DATASETS
@@ -143,9 +145,14 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
         lr=float(config["lr"]), local_steps=int(config["local-steps"]),
         global_step=int(config["global-step"]), client_state=kept_state(context, config, partition_id))
     train_seconds = time.perf_counter() - started  # the round's local work; it ends with copies to the CPU
-    save_client_state(context, result.client_state)
-    if DATA_PATH_KEY not in context.node_config:
-        persist_client_state(config, partition_id, result.client_state)
+    kept = {f"{key}/{n}": t for key, arrays in result.client_state.items() for n, t in arrays.items()}
+    if diverged := non_finite(kept):  # its reply is rejected too; keep the state of its last good round
+        log(WARNING, "partition %d: the kept state holds non-finite values (%s); not kept",
+            partition_id, describe_names(diverged))
+    else:
+        save_client_state(context, result.client_state)
+        if DATA_PATH_KEY not in context.node_config:
+            persist_client_state(config, partition_id, result.client_state)
     update = result.update
     reply = RecordDict({"delta": array_record(update.delta)})
     for key, arrays in update.arrays.items():

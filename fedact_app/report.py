@@ -118,8 +118,11 @@ class Run:
         return f"{name} ({self.variant})" if self.variant else name
 
     def series(self, metric: str) -> dict[int, float]:
-        """round -> value, over the rows that have ``metric`` (absent or null rows left out)."""
-        return {row["round"]: float(row[metric]) for row in self.rows if row.get(metric) is not None}
+        """round -> value, over the rows that have ``metric``; a null (metrics.jsonl's way of
+        writing NaN or inf, fedact_app.results.json_line) reads as NaN, so a run whose last
+        value diverged has a NaN final value rather than an earlier round's."""
+        return {row["round"]: math.nan if row[metric] is None else float(row[metric])
+                for row in self.rows if metric in row}
 
     def value(self, column: str, kind: str) -> Optional[float]:
         """``final`` (last round that has it) or ``best`` (max, or min for a loss or perplexity)
@@ -129,6 +132,7 @@ class Run:
             return None
         if kind == "final":
             return values[-1]
+        values = [v for v in values if not math.isnan(v)] or [math.nan]  # best of the defined values
         return min(values) if lower_is_better(column) else max(values)
 
 

@@ -54,6 +54,7 @@ from fedact_app.wire import array_record, to_wire
 
 
 ALL_NODES_WAIT = 30.0  # seconds the first round waits for every expected node to register
+EVAL_EXAMPLES_RATIO = 100  # an evaluation reply may count at most this many times the round's median examples
 REPLY_POLL = (0.005, 0.05)  # first and longest wait between two pulls of replies, seconds
 
 
@@ -88,12 +89,12 @@ def collect(grid: Grid, pending: set[str], timeout: float | None) -> list[Messag
     return replies
 
 
-def warn_shared_partitions(server_round: int, order: Sequence[tuple[float, int]]) -> None:
+def warn_shared_partitions(server_round: int, order: Sequence[tuple[int, int]]) -> None:
     """Log a warning when accepted replies of one round name the same partition-id: two SuperNodes
     started with one ``--node-config "partition-id=i ..."`` train on the same data while another
     partition is never used. (``order``: (partition-id, node id) per reply; -1: none reported, as
     for a node with its own data-path.)"""
-    nodes: dict[float, list[int]] = {}
+    nodes: dict[int, list[int]] = {}
     for partition, node in order:
         if partition >= 0:
             nodes.setdefault(partition, []).append(node)
@@ -207,14 +208,15 @@ class AlgorithmStrategy(Strategy):
 
     def sample_nodes(self, grid: Grid, fraction: float, minimum: int, server_round: int,
                      purpose: str) -> list[int]:
-        """max(fraction * connected, minimum) of the connected and identified nodes, drawn by
-        their identities (fedact_app.sampling.sample_clients), in identity order."""
+        """max(fraction * identified, minimum) of the connected nodes that have said who they are,
+        drawn by their identities (fedact_app.sampling.sample_clients), in identity order."""
         nodes = self.connected_nodes(grid, minimum)
         self.identify(grid, nodes)
         known = [(self.client_keys[node], node) for node in nodes if node in self.client_keys]
         if len(known) < len(nodes):
             log(WARNING, "round %d: %d of %d nodes did not say which client they are in time; "
-                "sampling from the others", server_round, len(nodes) - len(known), len(nodes))
+                "sampling from the others%s", server_round, len(nodes) - len(known), len(nodes),
+                f" (fewer than the {minimum} needed: this round cannot update)" if len(known) < minimum else "")
         count = sample_count(len(known), fraction, minimum)
         chosen = sample_clients(known, count, seed=self.seed, server_round=server_round, purpose=purpose)
         return [node for _, node in sorted(chosen)]
@@ -292,7 +294,7 @@ class AlgorithmStrategy(Strategy):
                 log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
             metrics.update(clients=0, rejected=rejected + len(accepted))
             return None, MetricRecord(metrics)
-        warn_shared_partitions(server_round, [(float(m.get("partition-id", -1)), node)
+        warn_shared_partitions(server_round, [(int(m.get("partition-id", -1)), node)
                                               for _, node, _, m in accepted])
         updates = [update for _, _, update, _ in accepted]
         client_metrics = [m for _, _, _, m in accepted]
@@ -312,36 +314,51 @@ class AlgorithmStrategy(Strategy):
         return array_record(self.state), MetricRecord(metrics)
 
     def check_partition(self, node: int, metrics: MetricRecord) -> None:
-        """A reply's ``partition-id`` (when it sends one) must be the one its node identified as."""
-        if "partition-id" not in metrics or node not in self.client_keys:
+        """A reply's ``partition-id`` (when it sends one) must be an integer >= 0 and, for a node
+        that identified by its partition, that partition."""
+        if "partition-id" not in metrics:
             return
-        kind, partition, _ = self.client_keys[node]
-        if kind == 0 and metrics["partition-id"] != partition:
-            raise ReplyError(f"metric 'partition-id' {metrics['partition-id']!r} differs from the "
-                             f"partition-id={partition} this node identified as")
+        partition = count(metrics, "partition-id", minimum=0)
+        kind, identified, _ = self.client_key_of(node)
+        if kind == 0 and partition != identified:
+            raise ReplyError(f"metric 'partition-id' {partition} differs from the partition-id={identified} "
+                             f"this node identified as")
 
     def moment_outliers(self, updates: Sequence[ClientUpdate]) -> list[tuple[int, str]]:
         """(index, reason) of each update whose second moment (``ServerRule.nonnegative_keys``)
-        has a norm above ``max_moment_ratio`` times the lower median of the updates' norms and,
-        once there is one, the current broadcast's (v_bar)."""
+        has a norm more than ``max_moment_ratio`` times above or below the reference: the lower
+        median of the positive norms among the updates' and, once there is one, the current
+        broadcast's (v_bar). An honest v after K steps is positive and within a few orders of
+        magnitude of the others'; with no positive norm to compare against nothing is rejected."""
         if not self.max_moment_ratio or not updates:
             return []
         outliers = []
         broadcast = self.rule.broadcast()
         for key in self.rule.nonnegative_keys:
             norms = [global_norm(update.arrays[key]) for update in updates]
-            reference = norms + ([global_norm(broadcast[f"{key}_bar"])] if f"{key}_bar" in broadcast else [])
+            reference = [n for n in norms + ([global_norm(broadcast[f"{key}_bar"])]
+                                             if f"{key}_bar" in broadcast else []) if n > 0]
+            if not reference:
+                continue
             median = sorted(reference)[(len(reference) - 1) // 2]
-            outliers += [(i, f"{key!r} norm {norm:.4g} exceeds max_moment_ratio={self.max_moment_ratio:g} x "
-                             f"the round's median {median:.4g}")
-                         for i, norm in enumerate(norms) if norm > self.max_moment_ratio * median]
+            ratio = self.max_moment_ratio
+            outliers += [(i, f"{key!r} norm {norm:.4g} is more than max_moment_ratio={ratio:g} times "
+                             f"{'above' if norm > median else 'below'} the round's median {median:.4g}")
+                         for i, norm in enumerate(norms) if not median / ratio <= norm <= median * ratio]
         return outliers
 
     def aggregate_finite(self, server_round: int, updates: Sequence[ClientUpdate]) -> bool:
-        """Aggregate ``updates`` into ``self.state`` and the rule's state, unless the result holds
-        a non-finite value (finite replies can still overflow): then both stay as they were."""
+        """Aggregate ``updates`` into ``self.state`` and the rule's state, unless the rule refuses
+        them or the result holds a non-finite value (finite replies can still overflow): then
+        both stay as they were."""
         kept = self.rule.state_dict()
-        new_state = self.rule.aggregate(self.state, updates)
+        try:
+            new_state = self.rule.aggregate(self.state, updates)
+        except ValueError as err:  # e.g. SCAFFOLD: more updates than N clients (two nodes, one partition)
+            log(WARNING, "round %d: the server rule refused the %d replies (%s); the global model and "
+                "the server state are unchanged", server_round, len(updates), err)
+            self.rule.load_state_dict(kept)
+            return False
         bad = [f"model[{name!r}]" for name, t in new_state.items()
                if t.is_floating_point() and not all_finite(t)]
         bad += [f"{key}[{name!r}]" for key, arrays in self.rule.state_dict().items()
@@ -367,8 +384,9 @@ class AlgorithmStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """The example-weighted mean of each metric over the evaluation replies whose
-        ``num-examples`` is a positive integer and whose metrics are all finite numbers; the
-        others are logged and left out."""
+        ``num-examples`` is an integer >= 0, at most ``EVAL_EXAMPLES_RATIO`` times the lower median
+        of the round's counts, and whose metrics are all finite numbers; the others are logged
+        and left out (a forged count would otherwise take the whole mean)."""
         rows = []
         for msg in sorted(replies, key=lambda m: (self.client_key_of(m.metadata.src_node_id),
                                                   m.metadata.src_node_id)):
@@ -376,17 +394,26 @@ class AlgorithmStrategy(Strategy):
                 continue
             metrics = msg.content["metrics"]
             try:
-                rows.append((count(metrics, "num-examples", minimum=0),
+                rows.append((msg.metadata.src_node_id, count(metrics, "num-examples", minimum=0),
                              {key: number(metrics, key) for key in metrics if key != "num-examples"}))
             except ReplyError as err:
                 log(WARNING, "round %d: evaluation reply of node %d left out: %s", server_round,
                     msg.metadata.src_node_id, err)
-        total = sum(count for count, _ in rows)
+        if positive := sorted(examples for _, examples, _ in rows if examples > 0):
+            bound = EVAL_EXAMPLES_RATIO * positive[(len(positive) - 1) // 2]
+            for node, examples, _ in rows:
+                if examples > bound:
+                    log(WARNING, "round %d: evaluation reply of node %d left out: num-examples %d is "
+                        "more than %d times the round's median", server_round, node, examples,
+                        EVAL_EXAMPLES_RATIO)
+            rows = [row for row in rows if row[1] <= bound]
+        total = sum(examples for _, examples, _ in rows)
         if total == 0:
             return None
-        keys = [key for key in rows[0][1] if all(key in values for _, values in rows)]
+        keys = [key for key in rows[0][2] if all(key in values for _, _, values in rows)]
         return MetricRecord({f"client_{key.replace('-', '_')}":
-                             sum(values[key] * count for count, values in rows) / total for key in keys})
+                             sum(values[key] * examples for _, examples, values in rows) / total
+                             for key in keys})
 
     def summary(self) -> None:
         log(INFO, "AlgorithmStrategy(%s): fraction_train=%.2f min_train_nodes=%d K=%d",

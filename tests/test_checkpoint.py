@@ -141,6 +141,23 @@ def test_client_state_goes_through_the_checkpoint_to_a_resumed_client(tmp_path):
     assert restored_client_state(client_round_config(checkpointer, None), 0) == {}  # not resuming
 
 
+def test_a_diverged_clients_state_file_is_skipped_and_the_checkpoint_written(tmp_path, caplog):
+    """A client whose kept state went NaN (its reply rejected) cannot stop the run's checkpoints:
+    its file is skipped with a warning and the partition keeps its restored state."""
+    import logging
+
+    restored = {"1": {"c_i": {"w": torch.ones(2, 3), "b": torch.ones(2)}}}
+    checkpointer = Checkpointer(tmp_path, compose(), restored)
+    config = client_round_config(checkpointer, None)
+    persist_client_state(config, 0, {"c_i": {"w": torch.randn(2, 3), "b": torch.randn(2)}})
+    persist_client_state(config, 1, {"c_i": {"w": torch.full((2, 3), float("nan")), "b": torch.zeros(2)}})
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        path = checkpointer.write(checkpoint(3))
+    assert "partition 1 keeps its older state" in caplog.text
+    assert_same_arrays(load_checkpoint(path).clients["1"], restored["1"])
+    assert set(load_checkpoint(path).clients) == {"0", "1"}
+
+
 def updates(seed: int, num: int = 2) -> list[ClientUpdate]:
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -52,8 +52,8 @@ def test_a_message_past_its_deadline_or_for_a_busy_node_gets_an_error_reply_with
     work = []
     reply = handle(message(time.time() - 16), context, lambda msg, ctx: work.append(1) or RecordDict())
     assert reply.has_error() and "deadline" in reply.error.reason and not work
-    reply = handle(message(time.time() - 16, ttl=20), context, lambda msg, ctx: work.append(1) or RecordDict())
-    assert reply.has_error() and not work  # round_timeout < ttl: the round's deadline
+    reply = handle(message(time.time() - 12, ttl=10), context, lambda msg, ctx: work.append(1) or RecordDict())
+    assert reply.has_error() and not work  # ttl < round_timeout: the message's own deadline
     fresh = message(time.time())
     with node_slot(fresh) as free:  # an earlier message of node 7 still runs
         assert free

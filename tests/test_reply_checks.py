@@ -72,6 +72,10 @@ FORGED = {
     "positive-ratio above 1": {"positive-ratio": 1.5},
     "top-p-mass negative": {"top-p-mass": -0.1},
     "amplified-fraction NaN": {"amplified-fraction": math.nan},
+    # a partition-id the server could not order by (it crashed the ServerApp before)
+    "partition-id a list": {"partition-id": [1.0, 2.0]},
+    "partition-id inf": {"partition-id": math.inf},
+    "partition-id negative": {"partition-id": -2},
 }
 
 
@@ -120,6 +124,34 @@ def test_a_lone_absurd_second_moment_is_measured_against_v_bar():
     assert all(torch.equal(strategy.rule.state_dict()[k][n], t) for k, a in kept.items() for n, t in a.items())
 
 
+def test_a_zero_second_moment_is_rejected_and_does_not_make_honest_ones_outliers():
+    """v = 0 passes the >= 0 check, but no honest v is 0 after K steps: it is rejected as far
+    below the others, and the honest reply is kept (a zero median once rejected it)."""
+    strategy = fedact_strategy()
+    strategy.messages_sent = 2
+    _, metrics = strategy.aggregate_train(1, [reply(1, content(v=0.04)), reply(2, content(v=0.0))])
+    assert (metrics["clients"], metrics["rejected"]) == (1, 1)
+    torch.testing.assert_close(strategy.rule.state_dict()["v_bar"]["w"], torch.full((2, 3), 0.04))
+
+
+def test_more_replies_than_scaffold_has_clients_change_nothing(caplog):
+    """Two SuperNodes started with one partition can bring more replies than N: SCAFFOLD's rule
+    refuses them, and the round changes nothing instead of crashing the ServerApp."""
+    cfg = compose(["algorithm=scaffold"]).algorithm
+    strategy = AlgorithmStrategy(ALGORITHMS["scaffold"].server(cfg, TRAINABLE, num_clients=1), trainable=TRAINABLE,
+                                 local_steps=K, lr_schedule=lambda r: LR, fraction_train=1.0, min_train_nodes=1,
+                                 batch_size=BATCH)
+    strategy.state = {n: t.clone() for n, t in STATE.items()}
+    strategy.messages_sent = 2
+    record = content()
+    del record["v"]
+    record["delta_c"] = ArrayRecord({"w": torch.zeros(2, 3), "b": torch.zeros(2)})
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        arrays, metrics = strategy.aggregate_train(1, [reply(1, record), reply(2, record)])
+    assert arrays is None and metrics["clients"] == 0 and unchanged(strategy)
+    assert "the server rule refused the 2 replies" in caplog.text
+
+
 def test_the_moment_check_can_be_turned_off():
     strategy = fedact_strategy(max_moment_ratio=0)
     strategy.messages_sent = 2
@@ -165,7 +197,8 @@ def test_a_reply_naming_another_partition_than_its_node_is_rejected():
 def test_forged_evaluation_replies_are_left_out():
     strategy = fedact_strategy()
     good = MetricRecord({"num-examples": 10, "test-accuracy": 0.5})
-    forged = [MetricRecord({"num-examples": 1e15 + 0.5, "test-accuracy": 0.0}),
+    forged = [MetricRecord({"num-examples": 10 ** 15, "test-accuracy": 0.0}),
+              MetricRecord({"num-examples": 10.5, "test-accuracy": 0.0}),
               MetricRecord({"num-examples": 10, "test-accuracy": math.nan})]
     replies = [reply(1, RecordDict({"metrics": good}))] + [reply(i + 2, RecordDict({"metrics": m}))
                                                            for i, m in enumerate(forged)]

@@ -335,3 +335,13 @@ def test_sweep_prints_done_over_total_including_a_presets_grid(tmp_path, monkeyp
     progress = [line.split(" job ")[0] for line in capsys.readouterr().out.splitlines()
                 if line.startswith("[sweep] ") and " job " in line]
     assert progress == ["[sweep] 1/4", "[sweep] 2/4", "[sweep] 3/4", "[sweep] 4/4"]
+
+
+def test_a_null_final_value_reads_as_nan_not_as_an_earlier_round():
+    """metrics.jsonl writes a diverged (NaN/inf) value as null; the run's final value is NaN."""
+    rows = ({"round": 0, "test_loss": 2.3}, {"round": 1, "test_loss": 1.1}, {"round": 2, "test_loss": None})
+    run = report.Run(path=Path("/runs/fedact_s0"), algorithm="fedact",
+                     setting=Setting("vit_tiny", "fashion_mnist", "dirichlet", 0.1), seed=0, rows=rows,
+                     hyperparameters=())
+    assert math.isnan(run.value("test_loss", "final"))
+    assert list(run.series("test_loss")) == [0, 1, 2]
