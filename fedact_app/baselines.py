@@ -23,29 +23,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from fedact_app.optimizer_base import LazyDynamoOptimizer
+from fedact_app.optimizer_base import LazyDynamoOptimizer, check_aligned
 from fedact_app.registry import require_hyperparameters
 
 __all__ = ["LocalSGD", "FedLADAAdam"]
 
 
-def _check_aligned(name: str, arrays: Optional[Sequence[Tensor]], params: list[Tensor]) -> None:
-    """``arrays`` is None or one tensor per parameter, of the parameter's shape."""
-    if arrays is None:
-        return
-    if len(arrays) != len(params):
-        raise ValueError(f"Invalid {name}: {len(arrays)} tensors for {len(params)} parameters; "
-                         f"expected one tensor per parameter, in param_groups order")
-    for i, (a, p) in enumerate(zip(arrays, params)):
-        if a.shape != p.shape:
-            raise ValueError(f"Invalid {name}[{i}]: shape {tuple(a.shape)} does not match "
-                             f"parameter {i} of shape {tuple(p.shape)}")
-
-
 def _set_round_state(optimizer: Optimizer, key: str, arrays: Optional[Sequence[Tensor]]) -> None:
     """Copy ``arrays`` into ``state[p][key]`` for every parameter, or drop ``key`` when None."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    _check_aligned(key, arrays, params)
+    check_aligned(key, arrays, params)
     for i, p in enumerate(params):
         if arrays is None:  # no entry is created, and one left empty is removed
             state = optimizer.state.get(p)
@@ -193,7 +180,7 @@ class FedLADAAdam(LazyDynamoOptimizer):
         the global offset ``g_a <- offset`` (None: zero). Both are one tensor per parameter, in
         param_groups order, and are copied."""
         params = self._params()
-        _check_aligned("v_bar", v_bar, params)
+        check_aligned("v_bar", v_bar, params)
         i = 0
         for group in self.param_groups:
             eps = group["eps"]

@@ -12,8 +12,10 @@ Adam and AdamW (LocalAdam, LocalAdamW) import it at their first step regardless.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Sequence
+from typing import Callable, Optional
 
+from torch import Tensor
 from torch.optim import Optimizer
 
 __all__ = ["LazyDynamoOptimizer"]
@@ -35,3 +37,20 @@ class LazyDynamoOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         unless_compiling(Optimizer.zero_grad)(self, set_to_none)
+
+
+def check_aligned(name: str, arrays: Optional[Sequence[Tensor]], params: Sequence[Tensor]) -> None:
+    """``arrays`` (a round's server arrays: v_bar, Delta_G, ...) is None or one tensor per
+    parameter, in param_groups order, of the parameter's shape; else a TypeError/ValueError that
+    names the argument and the index."""
+    if arrays is None:
+        return
+    if len(arrays) != len(params):
+        raise ValueError(f"Invalid {name}: {len(arrays)} tensors for {len(params)} parameters; "
+                         f"expected one tensor per parameter, in param_groups order")
+    for i, (a, p) in enumerate(zip(arrays, params)):
+        if not isinstance(a, Tensor):
+            raise TypeError(f"Invalid {name}[{i}]: expected a Tensor, got {type(a).__name__}")
+        if a.shape != p.shape:
+            raise ValueError(f"Invalid {name}[{i}]: shape {tuple(a.shape)} does not match "
+                             f"parameter {i} of shape {tuple(p.shape)}")

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from fedact_app.optim.kernels import fedact_step, phi_factors
 from fedact_app.optim.layout import TRUST_KEYS, Workspace
-from fedact_app.optimizer_base import LazyDynamoOptimizer
+from fedact_app.optimizer_base import LazyDynamoOptimizer, check_aligned
 from fedact_app.registry import TRUST_SCOPES, TRUST_SIGNALS, require_hyperparameters
 
 __all__ = ["FedACTAdamW", "TRUST_SCOPES", "TRUST_SIGNALS"]
@@ -300,17 +300,7 @@ class FedACTAdamW(LazyDynamoOptimizer):
         """
         params = self._all_params()
         for name, arrays in (("v_bar", v_bar), ("delta_g", delta_g)):
-            if arrays is None:
-                continue
-            if len(arrays) != len(params):
-                raise ValueError(f"Invalid {name}: {len(arrays)} tensors for {len(params)} parameters; "
-                                 f"expected one tensor per parameter, in param_groups order")
-            for i, (a, p) in enumerate(zip(arrays, params)):
-                if not isinstance(a, Tensor):
-                    raise TypeError(f"Invalid {name}[{i}]: expected a Tensor, got {type(a).__name__}")
-                if a.shape != p.shape:
-                    raise ValueError(f"Invalid {name}[{i}]: shape {tuple(a.shape)} does not match "
-                                     f"parameter {i} of shape {tuple(p.shape)}")
+            check_aligned(name, arrays, params)
         if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
             raise ValueError(f"Invalid global_step: {global_step!r}; expected an integer >= 0")
 
