@@ -235,13 +235,15 @@ def paired_markdown(found: list[PairedComparison | tuple], column: str, kind: st
     if refused:
         lines += ["", "### Not compared", ""]
         lines += [f"- {setting.title}, {ref} vs {base}: {why}" for setting, ref, base, why in refused]
-    by_setting: dict = {}
+    # one per-seed table per setting and reference (an ablation compares several references)
+    by_reference: dict = {}
     for item in found:
         if isinstance(item, PairedComparison):
-            by_setting.setdefault(item.setting, []).append(item)
-    for setting, items in by_setting.items():
+            by_reference.setdefault((item.setting, item.reference), []).append(item)
+    for (setting, reference), items in by_reference.items():
         seeds = sorted({seed for item in items for seed in item.seeds})
-        lines += ["", f"### {setting.title}: per seed", "",
+        several = sum(key[0] == setting for key in by_reference) > 1
+        lines += ["", f"### {setting.title}{f', {reference}' if several else ''}: per seed", "",
                   f"| Seed | {items[0].reference} | " + " | ".join(f"− {i.baseline}" for i in items) + " |",
                   "|---:|---:|" + "---:|" * len(items)]
         for seed in seeds:

@@ -19,14 +19,17 @@ from fedact_app.cli.launch import RunResult  # noqa: E402
 SAMPLES = [[0, 3], [1, 2], [2, 4]]  # rounds 1..3
 
 
-def write_study_run(jobs: Path, algorithm: str, seed: int, final: float, samples=SAMPLES, alpha: float = 0.1) -> Path:
+def write_study_run(jobs: Path, algorithm: str, seed: int, final: float, samples=SAMPLES, alpha: float = 0.1,
+                    **algorithm_keys) -> Path:
     """A completed job folder of the study (result.json + run folder), as run_job leaves it."""
-    job = f"{algorithm}_partition.alpha={alpha}_s{seed}_00000000"
+    variant = "".join(f"_{key}={value}" for key, value in algorithm_keys.items())
+    job = f"{algorithm}{variant}_partition.alpha={alpha}_s{seed}_00000000"
     run_dir = jobs / job / f"20260101-000000_{algorithm}_fashion_mnist_vit_tiny_dir{alpha}_s{seed}"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump({
         "dataset": {"name": "fashion_mnist"}, "model": {"name": "vit_tiny"},
-        "partition": {"name": "dirichlet", "alpha": alpha}, "algorithm": {"name": algorithm, "lr": 0.001},
+        "partition": {"name": "dirichlet", "alpha": alpha},
+        "algorithm": {"name": algorithm, "lr": 0.001, **algorithm_keys},
         "num_clients": 20, "local_steps": 10, "batch_size": 32, "seed": seed}))
     rows = [{"round": 0, "test_accuracy": 0.1}]
     rows += [{"round": r, "sampled_clients": s, "test_accuracy": final * r / len(samples),
@@ -125,3 +128,16 @@ def test_study_runs_a_real_flower_job_skips_it_when_resumed_and_reports(tmp_path
     second = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0 and "already completed, skipped" in second.stdout, second.stdout + second.stderr
     print(f"one study job: {seconds:.1f} s")
+
+
+def test_two_variants_of_the_reference_get_a_per_seed_table_each(tmp_path):
+    """FedACT and FedACT (scale_matched=True) against FedAdamW: each per-seed table shows its
+    own reference's values (one table over both showed only the first reference's)."""
+    jobs = tmp_path / "jobs"
+    for seed, (act, matched, adamw) in enumerate([(0.80, 0.90, 0.78), (0.82, 0.91, 0.79)]):
+        write_study_run(jobs, "fedact", seed, act, scale_matched=False)
+        write_study_run(jobs, "fedact", seed, matched, scale_matched=True)
+        write_study_run(jobs, "fedadamw", seed, adamw)
+    md = study.write_report(tmp_path).read_text()
+    assert md.count(": per seed") == 2 and ", FedACT (scale_matched=True): per seed" in md
+    assert "| 1 | 82.00 | +3.00 |" in md and "| 1 | 91.00 | +12.00 |" in md
