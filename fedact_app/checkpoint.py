@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 
 from fedact_app.algorithms import TensorDict
 from fedact_app.config import Config, ConfigError, to_yaml
+from fedact_app.finite import describe_names, non_finite
 
 CHECKPOINT_DIR = "checkpoints"
 CLIENT_STATE_DIR = "client_state"
@@ -140,16 +141,6 @@ def _random_state(state: list) -> tuple:
     """A ``random.Random`` state read back from JSON (lists) as the tuple ``setstate`` takes."""
     version, internal, gauss = state
     return version, tuple(internal), gauss
-
-
-def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names (sorted) of the floating-point tensors holding NaN or inf."""
-    return sorted(name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all())
-
-
-def describe_names(names: list[str]) -> str:
-    """The first five names, and how many more there are."""
-    return f"{names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _state_tensors(ckpt: Checkpoint) -> TensorDict:

@@ -17,9 +17,10 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from fedact_app.algorithms import TensorDict
-from fedact_app.checkpoint import describe_names, non_finite, persist_client_state, restored_client_state
+from fedact_app.checkpoint import persist_client_state, restored_client_state
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import Config, compose
+from fedact_app.finite import describe_names, non_finite
 from fedact_app.registry import FILE_DATASETS
 from fedact_app.sampling import CLIENT_NAME, IDENTITY_RECORD, PARTITION_ID
 from fedact_app.wire import array_record

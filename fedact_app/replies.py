@@ -13,11 +13,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from flwr.app import MetricRecord, RecordDict
 
 from fedact_app.algorithms import ClientUpdate, TensorDict
 from fedact_app.diagnostics import CLIENT_METRICS, global_norm
+from fedact_app.finite import all_finite
 
 
 class ReplyError(ValueError):
@@ -124,10 +124,3 @@ def _check_arrays(key: str, arrays: TensorDict, expected: TensorDict) -> None:
                              f"{tuple(expected[name].shape)} {expected[name].dtype}")
         if tensor.is_floating_point() and not all_finite(tensor):
             raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether no entry is inf or NaN. The sum is inf or NaN when an entry is (IEEE addition never
-    turns them back into a finite number), so one reduction without a temporary decides; only a
-    sum that is not finite (such an entry, or an overflow of finite ones) is checked entry by entry."""
-    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())

@@ -31,7 +31,7 @@ from flwr.common import log
 from safetensors.torch import save_file
 
 from fedact_app.algorithms import TensorDict
-from fedact_app.checkpoint import describe_names, non_finite
+from fedact_app.finite import describe_names, non_finite
 from fedact_app.config import Config, to_yaml
 
 

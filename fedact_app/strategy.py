@@ -47,7 +47,8 @@ from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
 from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
-from fedact_app.replies import ReplyError, RoundTerms, all_finite, count, decode_update, number, record_bytes
+from fedact_app.finite import describe_names, non_finite
+from fedact_app.replies import ReplyError, RoundTerms, count, decode_update, number, record_bytes
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
                                  sample_clients, sample_count, unidentified_key)
 from fedact_app.wire import array_record, to_wire
@@ -359,13 +360,12 @@ class AlgorithmStrategy(Strategy):
                 "the server state are unchanged", server_round, len(updates), err)
             self.rule.load_state_dict(kept)
             return False
-        bad = [f"model[{name!r}]" for name, t in new_state.items()
-               if t.is_floating_point() and not all_finite(t)]
-        bad += [f"{key}[{name!r}]" for key, arrays in self.rule.state_dict().items()
-                for name, t in arrays.items() if not all_finite(t)]
+        bad = non_finite({f"model[{name!r}]": t for name, t in new_state.items()}
+                         | {f"{key}[{name!r}]": t for key, arrays in self.rule.state_dict().items()
+                            for name, t in arrays.items()})
         if bad:
             log(WARNING, "round %d: the aggregate of %d replies is not finite (%s); the global model "
-                "and the server state are unchanged", server_round, len(updates), ", ".join(bad[:3]))
+                "and the server state are unchanged", server_round, len(updates), describe_names(bad))
             self.rule.load_state_dict(kept)
             return False
         self.state = new_state
