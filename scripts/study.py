@@ -7,8 +7,9 @@
 
 ``run`` makes one job per (setting of ``--grid``, method, seed): the overrides after ``--``, then the
 setting's, then ``algorithm=<method>`` (and the method's tuned overrides from ``--tuned``, written by
-scripts/tune.py), then ``seed=<seed>``. Jobs run one after another, each as its own Flower run
-through scripts/sweep.py's runner (``fedact_app.cli.launch.run_simulation``), in
+scripts/tune.py), then ``seed=<seed>``. Each job is its own Flower run through scripts/sweep.py's
+runner, all of them on one local engine (``fedact_app.cli.engine.LocalEngine``: one SuperLink
+and, one job at a time, one Ray cluster; ``--max-parallel N`` runs N at once), in
 ``<out>/jobs/<job>/`` with the sweep's ``result.json``, ``flower.log`` and the run folder; the job's
 name says its method, setting and seed. A job whose folder already holds a completed run of the
 same overrides is skipped (``--rerun`` runs it again), so an interrupted study continues where it
@@ -32,6 +33,7 @@ import hashlib
 import itertools
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +142,10 @@ def compose_dict(overrides: tuple[str, ...]):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, rerun: bool = False) -> dict:
-    """Run one job as a Flower run in ``jobs_dir/<job.name>`` (skipped when already completed and not
-    ``rerun``); returns its row (``skipped`` True when it was not run again). Never raises for a
+def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, engine: sweep.LocalEngine,
+            rerun: bool = False) -> dict:
+    """Run one job as a Flower run on ``engine`` in ``jobs_dir/<job.name>`` (skipped when already
+    completed and not ``rerun``); returns its row (``skipped`` True when it was not run again). Never raises for a
     failed run or an invalid config: the row says what went wrong."""
     job_dir = jobs_dir / job.name
     if not rerun and (row := completed_row(job_dir, job.overrides)) is not None:
@@ -155,22 +158,33 @@ def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, rerun: bool =
                "run_dir": None, "final_test_accuracy": None, "best_test_accuracy": None,
                "error": f"{type(err).__name__}: {err}", "seconds": 0.0}
     else:
-        row = sweep.run_combination(cfg, list(job.overrides), job_dir, launch)
+        row = sweep.run_combination(cfg, list(job.overrides), job_dir, launch, engine)
     (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
-    sweep.write_summary(jobs_dir)
+    with sweep.SUMMARY_LOCK:
+        sweep.write_summary(jobs_dir)
     return {**row, "skipped": False}
 
 
 def run_jobs(jobs_dir: Path, jobs: list[Job], launch: sweep.LaunchOptions, rerun: bool = False) -> list[dict]:
-    """Every job in order, one progress line each; the rows."""
-    rows = []
-    for number, job in enumerate(jobs, start=1):
-        row = run_job(jobs_dir, job, launch, rerun)
+    """Every job, on one engine, ``launch.max_parallel`` at a time; one progress line each as it
+    finishes; the rows in the jobs' order."""
+    rows: list[dict | None] = [None] * len(jobs)
+    done = 0
+
+    def one(index: int, engine: sweep.LocalEngine) -> None:
+        nonlocal done
+        job = jobs[index]
+        row = rows[index] = run_job(jobs_dir, job, launch, engine, rerun)
         what = "already completed, skipped" if row["skipped"] else f"{row['status']} in {row['seconds']:.0f} s"
-        print(f"[study] {number}/{len(jobs)} {job.name}: {what}"
-              + (f": {row['error'].strip().splitlines()[-1][:300]}" if row.get("error", "").strip() else ""),
-              flush=True)
-        rows.append(row)
+        with sweep.SUMMARY_LOCK:
+            done += 1
+            print(f"[study] {done}/{len(jobs)} {job.name}: {what}"
+                  + (f": {row['error'].strip().splitlines()[-1][:300]}" if row.get("error", "").strip() else ""),
+                  flush=True)
+
+    with launch.engine() as engine, ThreadPoolExecutor(launch.max_parallel) as pool:
+        for future in [pool.submit(one, index, engine) for index in range(len(jobs))]:
+            future.result()
     return rows
 
 
@@ -312,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per simulated client")
     run.add_argument("--num-cpus", type=int, default=1, help="CPUs per simulated client")
     run.add_argument("--timeout", type=float, default=86400.0, help="seconds per run")
+    run.add_argument("--max-parallel", type=int, default=1,
+                     help="runs in flight at once (default 1: one shared Ray cluster)")
     report = commands.add_parser("report", help="study.md / study.tex / figures from a study folder")
     report.add_argument("out", type=Path, help="the study folder")
     for sub in (run, report):
@@ -326,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        launch = sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout)
+        if args.max_parallel < 1:
+            parser.error(f"--max-parallel must be >= 1, got {args.max_parallel}")
+        launch = sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout, args.max_parallel)
         rows = run_jobs(args.out / "jobs", jobs, launch, args.rerun)
         failed = [r for r in rows if r["status"] != "completed"]
         if failed:

@@ -6,15 +6,18 @@
 
 Hydra expands the overrides (``-m``; ``a=x,y`` sweeps a key; ``hydra.sweeper.params`` in an
 ``experiment=`` preset sweeps its grid) and calls :func:`main` once per combination. Each one is
-validated (fedact_app.config) and then run by ``fedact_app.cli.launch.run_simulation`` on its own private
-SuperLink with ``num_clients`` SuperNodes: a run that fails, times out or has an invalid value is
-recorded and the sweep goes on. A value Hydra itself cannot compose (an unknown key, a wrong type)
+validated (fedact_app.config) and then run as its own Flower run with ``num_clients`` SuperNodes
+on one private local engine the whole sweep shares (``fedact_app.cli.engine.LocalEngine``: one
+SuperLink and, one job at a time, one Ray cluster; a job's metrics are those of the same run
+launched alone): a run that fails, times out or has an invalid value is recorded and the sweep
+goes on. A value Hydra itself cannot compose (an unknown key, a wrong type)
 stops the sweep before any run starts: Hydra composes every combination first.
 
 Launcher options, given before or between the Hydra overrides:
     --num-gpus F     GPUs per simulated client (default 0: CPU)
     --num-cpus N     CPUs per simulated client (default 1)
     --timeout S      seconds per run (default 86400)
+    --max-parallel N runs in flight at once (default 1; each then starts its own Ray cluster)
 
 The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
 
@@ -28,17 +31,22 @@ jobs finished so far and the number of combinations. ``status`` is ``completed``
 run did not finish as completed; ``error`` has the reason), ``timed out``, ``invalid config`` or
 ``launch error``. The summary is rebuilt from the jobs' ``result.json`` after every job, so it is
 complete also with a parallel Hydra launcher. With the default launcher the script exits 1 when any
-combination did not complete. The app's ``output_dir`` is set to the job folder by the sweep.
+combination did not complete. The app's ``output_dir`` is set to the job folder by the sweep. With
+``--max-parallel N`` Hydra still composes the jobs one after another, and up to N of them run at
+once; the progress lines come in the order the jobs finish.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +62,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from fedact_app.config import CONF_DIR, to_config  # noqa: E402  (also registers the schema)
-from fedact_app.cli.launch import run_simulation  # noqa: E402
+from fedact_app.cli.engine import LocalEngine  # noqa: E402
 
 DEFAULT_DIR = "sweeps/${now:%Y%m%d-%H%M%S}"
 SUMMARY_COLUMNS = ("job", "status", "final_test_accuracy", "best_test_accuracy", "seconds", "overrides")
@@ -65,6 +73,11 @@ class LaunchOptions:
     num_gpus: float = 0.0
     num_cpus: int = 1
     timeout: float = 86400.0
+    max_parallel: int = 1
+
+    def engine(self) -> LocalEngine:
+        """The engine the jobs share (it starts with the first job that runs)."""
+        return LocalEngine(max_parallel=self.max_parallel)
 
 
 def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
@@ -73,8 +86,11 @@ def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     parser.add_argument("--num-gpus", type=float, default=0.0)
     parser.add_argument("--num-cpus", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=86400.0)
+    parser.add_argument("--max-parallel", type=int, default=1)
     known, rest = parser.parse_known_args(argv)
-    return LaunchOptions(known.num_gpus, known.num_cpus, known.timeout), rest
+    if known.max_parallel < 1:
+        parser.error(f"--max-parallel must be >= 1, got {known.max_parallel}")
+    return LaunchOptions(known.num_gpus, known.num_cpus, known.timeout, known.max_parallel), rest
 
 
 def with_default_dirs(args: list[str]) -> list[str]:
@@ -87,10 +103,10 @@ def with_default_dirs(args: list[str]) -> list[str]:
 # ------------------------------------------------------------------ one combination
 
 
-def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path,
-                    launch: LaunchOptions) -> dict:
-    """Validate and run one combination as its own Flower run; return its summary row (never raises
-    for a failure of the run: the row says what went wrong)."""
+def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path, launch: LaunchOptions,
+                    engine: LocalEngine) -> dict:
+    """Validate and run one combination as its own Flower run on ``engine``; return its summary row
+    (never raises for a failure of the run: the row says what went wrong)."""
     started = time.monotonic()
     row = {"job": job_dir.name, "overrides": " ".join(overrides), "status": "", "run_dir": None,
            "final_test_accuracy": None, "best_test_accuracy": None, "error": ""}
@@ -106,10 +122,9 @@ def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path,
     run_overrides = [o for o in overrides if not o.startswith("output_dir=")]
     run_overrides.append(f"output_dir={job_dir}")
     try:
-        result = run_simulation(APP_DIR, overrides=" ".join(shlex.quote(o) for o in run_overrides),
-                                num_supernodes=config.num_clients,
-                                num_cpus_per_client=launch.num_cpus,
-                                num_gpus_per_client=launch.num_gpus, timeout=launch.timeout)
+        result = engine.run(APP_DIR, overrides=" ".join(shlex.quote(o) for o in run_overrides),
+                            num_supernodes=config.num_clients, num_cpus_per_client=launch.num_cpus,
+                            num_gpus_per_client=launch.num_gpus, timeout=launch.timeout)
     except Exception as err:  # the SuperLink did not start or the run was not accepted
         return done("launch error", f"{type(err).__name__}: {err}")
     (job_dir / "flower.log").write_text(result.log)
@@ -173,30 +188,55 @@ def sweep_size(sweep_dir: Path) -> int:
 
 LAUNCH = LaunchOptions()
 SWEEP_DIRS: set[Path] = set()  # folders this process wrote to (the default launcher runs in-process)
+ENGINE: LocalEngine | None = None  # the sweep's engine, set by cli()
+POOL: ThreadPoolExecutor | None = None  # with --max-parallel > 1: where the jobs run
+PENDING: list[Future] = []
+SUMMARY_LOCK = threading.Lock()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir).resolve()
-    sweep_dir = Path(hc.sweep.dir).resolve() if hc.mode == RunMode.MULTIRUN else job_dir
-    overrides = list(hc.overrides.task)
-    row = run_combination(cfg, overrides, job_dir, LAUNCH)
-    (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
-    rows = write_summary(sweep_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    sweep_dir = Path(hc.sweep.dir).resolve() if multirun else job_dir
     SWEEP_DIRS.add(sweep_dir)
-    done, total = (len(rows), sweep_size(sweep_dir)) if hc.mode == RunMode.MULTIRUN else (1, 1)
-    print(f"[sweep] {done}/{total} job {row['job']}: {row['status']} ({row['overrides']})"
-          + (f" final test accuracy {row['final_test_accuracy']:.4f}"
-             if row["final_test_accuracy"] is not None else "")
-          + (f": {row['error'].splitlines()[-1][:300]}" if row["error"] else ""), flush=True)
+    job = (cfg, list(hc.overrides.task), job_dir, sweep_dir, multirun)
+    if POOL is None:
+        run_job(*job)
+    else:
+        PENDING.append(POOL.submit(run_job, *job))
+
+
+def run_job(cfg: DictConfig, overrides: list[str], job_dir: Path, sweep_dir: Path, multirun: bool) -> None:
+    """One combination on the sweep's engine, its ``result.json``, the summary and a progress line."""
+    with contextlib.nullcontext(ENGINE) if ENGINE is not None else LAUNCH.engine() as engine:
+        row = run_combination(cfg, overrides, job_dir, LAUNCH, engine)
+    (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
+    with SUMMARY_LOCK:
+        rows = write_summary(sweep_dir)
+        done, total = (len(rows), sweep_size(sweep_dir)) if multirun else (1, 1)
+        print(f"[sweep] {done}/{total} job {row['job']}: {row['status']} ({row['overrides']})"
+              + (f" final test accuracy {row['final_test_accuracy']:.4f}"
+                 if row["final_test_accuracy"] is not None else "")
+              + (f": {row['error'].splitlines()[-1][:300]}" if row["error"] else ""), flush=True)
 
 
 def cli(argv: list[str]) -> int:
-    global LAUNCH
+    global LAUNCH, ENGINE, POOL
     LAUNCH, hydra_args = parse_launch_options(argv)
     sys.argv = [sys.argv[0], *with_default_dirs(hydra_args)]
-    main()
+    with LAUNCH.engine() as ENGINE:
+        POOL = ThreadPoolExecutor(LAUNCH.max_parallel) if LAUNCH.max_parallel > 1 else None
+        try:
+            main()
+            for future in PENDING:
+                future.result()
+        finally:
+            if POOL is not None:
+                POOL.shutdown(wait=True, cancel_futures=True)
+            POOL, ENGINE = None, None
+            PENDING.clear()
     rows = [row for d in sorted(SWEEP_DIRS) for row in write_summary(d)]
     for d in sorted(SWEEP_DIRS):
         print(f"[sweep] {d}/summary.md")

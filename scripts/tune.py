@@ -115,10 +115,10 @@ def best_overrides(study: optuna.Study) -> list[str]:
 
 
 def flower_objective(jobs_dir: Path, shared: Sequence[str], seeds: Sequence[int], holdout: float,
-                     launch, kind: str = "final") -> Objective:
+                     launch, engine, kind: str = "final") -> Objective:
     """The real objective: one study job per tuning seed (the shared overrides, then
     ``dataset.holdout_fraction``, the method and the trial's overrides), scored by the mean of
-    their final (``kind`` best: best) ``val_accuracy``."""
+    their final (``kind`` best: best) ``val_accuracy``; every run on ``engine``."""
     if not 0 < holdout < 1:
         raise ValueError(f"--holdout must be in (0, 1), got {holdout}: tuning needs a validation split")
 
@@ -128,7 +128,7 @@ def flower_objective(jobs_dir: Path, shared: Sequence[str], seeds: Sequence[int]
             job_overrides = (*shared, f"dataset.holdout_fraction={holdout}", f"algorithm={method}", *overrides,
                              f"seed={seed}")
             job = study_script.Job(study_script.job_name(method, [f"t{number}"], seed, job_overrides), job_overrides)
-            row = study_script.run_job(jobs_dir, job, launch)
+            row = study_script.run_job(jobs_dir, job, launch, engine)
             scores.append(run_score(jobs_dir / job.name, row, kind))
         return statistics.mean(scores)
 
@@ -185,16 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = study_script.parse_seeds(args.seeds)
     launch = study_script.sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout)
-    try:
-        objective = flower_objective(args.out / "jobs", shared, seeds, args.holdout, launch, args.metric)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    studies = {}
-    for method in args.methods:
-        studies[method] = tune_method(method, objective, args.trials, args.storage,
-                                      f"{args.study_name}-{method}", args.sampler_seed,
-                                      tuple(args.lr_range) if args.lr_range else None)
+    with launch.engine() as engine:
+        try:
+            objective = flower_objective(args.out / "jobs", shared, seeds, args.holdout, launch, engine,
+                                         args.metric)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        studies = {}
+        for method in args.methods:
+            studies[method] = tune_method(method, objective, args.trials, args.storage,
+                                          f"{args.study_name}-{method}", args.sampler_seed,
+                                          tuple(args.lr_range) if args.lr_range else None)
     if failed := [m for m, s in studies.items() if not any(t.value is not None for t in s.trials)]:
         print(f"error: no trial of {', '.join(failed)} finished: see {args.out / 'jobs' / 'summary.md'}",
               file=sys.stderr)

@@ -3,7 +3,11 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+import pytest
 
 for _key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "FLWR_DISABLE_UPDATE_CHECK"):
     os.environ[_key] = "1"
@@ -13,3 +17,37 @@ os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 # session, not to ~/.cache/fedact.
 os.environ["FEDACT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedact-test-cache-")
 atexit.register(shutil.rmtree, os.environ["FEDACT_CACHE_DIR"], ignore_errors=True)
+
+
+class FakeEngine:
+    """Stands in for fedact_app.cli.engine.LocalEngine: ``run`` calls ``outcome(app_dir, overrides,
+    num_supernodes, **kwargs)`` and returns (or raises) what it gives; no Flower process starts."""
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def run(self, app_dir, overrides="", num_supernodes=2, **kwargs):
+        return self.outcome(app_dir, overrides, num_supernodes, **kwargs)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """``fake_engine(outcome)``: scripts/sweep.py's jobs (and so study.py's and tune.py's) run on a
+    :class:`FakeEngine` calling ``outcome``; returns that engine."""
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import sweep
+
+    def install(outcome):
+        engine = FakeEngine(outcome)
+        monkeypatch.setattr(sweep.LaunchOptions, "engine", lambda self: engine)
+        return engine
+
+    return install

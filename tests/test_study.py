@@ -58,7 +58,7 @@ def test_jobs_cover_settings_methods_and_seeds_with_each_methods_tuned_overrides
         study.study_jobs(["fedadamw"], [0], [], [], tuned)
 
 
-def test_a_completed_job_is_skipped_and_a_failed_one_runs_again(tmp_path, monkeypatch):
+def test_a_completed_job_is_skipped_and_a_failed_one_runs_again(tmp_path, fake_engine):
     calls = []
 
     def fake_run_simulation(app_dir, overrides, num_supernodes, **kwargs):
@@ -73,14 +73,14 @@ def test_a_completed_job_is_skipped_and_a_failed_one_runs_again(tmp_path, monkey
         return RunResult(run_id=len(calls), status="finished:completed" if completed else "finished:failed",
                          completed=completed, log="", seconds=1.0)
 
-    monkeypatch.setattr(study.sweep, "run_simulation", fake_run_simulation)
+    engine = fake_engine(fake_run_simulation)
     job = study.study_jobs(["fedact"], [0], [], ["num_rounds=1"])[0]
     launch = study.sweep.LaunchOptions()
-    assert study.run_job(tmp_path, job, launch)["status"] == "failed"
-    assert study.run_job(tmp_path, job, launch)["status"] == "completed" and len(calls) == 2
-    again = study.run_job(tmp_path, job, launch)
+    assert study.run_job(tmp_path, job, launch, engine)["status"] == "failed"
+    assert study.run_job(tmp_path, job, launch, engine)["status"] == "completed" and len(calls) == 2
+    again = study.run_job(tmp_path, job, launch, engine)
     assert again["skipped"] and again["status"] == "completed" and len(calls) == 2
-    assert study.run_job(tmp_path, job, launch, rerun=True)["skipped"] is False and len(calls) == 3
+    assert study.run_job(tmp_path, job, launch, engine, rerun=True)["skipped"] is False and len(calls) == 3
     assert (tmp_path / "summary.md").is_file()
 
 

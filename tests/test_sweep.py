@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_sweep_runs_each_combination_and_lists_the_failure(tmp_path):
     assert "2 runs, 1 completed, 1 not" in summary and "job 0 (algorithm.tau=2" in summary
 
 
-def test_a_failed_flower_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+def test_a_failed_flower_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, fake_engine):
     """Every outcome of a run becomes a row; nothing raises (the launcher is faked here)."""
     outcomes = iter([
         RunResult(run_id=1, status="finished:failed", completed=False, log="boom", seconds=1.0,
@@ -61,7 +62,7 @@ def test_a_failed_flower_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
             raise outcome
         return outcome
 
-    monkeypatch.setattr(sweep, "run_simulation", fake_run_simulation)
+    fake_engine(fake_run_simulation)
     monkeypatch.setattr(sweep, "SWEEP_DIRS", set())
     code = sweep.cli(["-m", "seed=1,2,3,4", *TINY, "output_dir=/elsewhere", "--num-gpus", "0.5",
                       f"hydra.sweep.dir={tmp_path}",
@@ -77,9 +78,29 @@ def test_a_failed_flower_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
     assert "4 runs, 1 completed, 3 not" in (tmp_path / "summary.md").read_text()
 
 
+def test_max_parallel_has_the_jobs_in_flight_at_once(tmp_path, monkeypatch, fake_engine):
+    """--max-parallel 2: both jobs wait for each other inside the engine's run (a barrier that
+    breaks after 20 s, one at a time), and both rows land in the summary."""
+    both_in_flight = threading.Barrier(2, timeout=20)
+
+    def fake_run_simulation(app_dir, overrides, num_supernodes, **kwargs):
+        both_in_flight.wait()
+        return RunResult(run_id=1, status="finished:completed", completed=True, log="", seconds=1.0)
+
+    fake_engine(fake_run_simulation)
+    monkeypatch.setattr(sweep, "SWEEP_DIRS", set())
+    code = sweep.cli(["-m", "seed=1,2", *TINY, "--max-parallel", "2", f"hydra.sweep.dir={tmp_path}",
+                      "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    rows = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    assert code == 0 and [r["status"] for r in rows] == ["completed", "completed"], rows
+
+
 def test_launch_options_are_split_from_hydra_arguments():
     options, rest = sweep.parse_launch_options(["-m", "--num-gpus", "0.25", "a=1,2", "--timeout", "60"])
-    assert options == sweep.LaunchOptions(num_gpus=0.25, num_cpus=1, timeout=60.0)
+    assert options == sweep.LaunchOptions(num_gpus=0.25, num_cpus=1, timeout=60.0, max_parallel=1)
+    assert sweep.parse_launch_options(["--max-parallel", "3"])[0].max_parallel == 3
+    with pytest.raises(SystemExit):
+        sweep.parse_launch_options(["--max-parallel", "0"])
     assert rest == ["-m", "a=1,2"]
     assert sweep.with_default_dirs(["hydra.sweep.dir=x"]) == ["hydra.sweep.dir=x",
                                                                f"hydra.run.dir={sweep.DEFAULT_DIR}"]

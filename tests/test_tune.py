@@ -96,4 +96,4 @@ def test_a_run_is_scored_on_val_accuracy_only(tmp_path):
     with pytest.raises(tune.TrialFailed, match="timed out"):
         tune.run_score(tmp_path / "d", {"job": "d", "status": "timed out"}, "final")
     with pytest.raises(ValueError, match="validation split"):
-        tune.flower_objective(tmp_path, [], [1000], 0.0, study.sweep.LaunchOptions())
+        tune.flower_objective(tmp_path, [], [1000], 0.0, study.sweep.LaunchOptions(), engine=None)

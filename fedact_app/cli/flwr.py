@@ -1,7 +1,7 @@
 """The ``flwr`` CLI, driven the one way both the launcher (:mod:`.launch`) and
 ``scripts/deploy/local_cluster.py`` need it.
 
-- :func:`flower_executable`, :func:`free_port` - Flower's console scripts, a free loopback port;
+- :func:`console_script`, :func:`free_port` - Flower's console scripts, a free loopback port;
 - :func:`write_connection` - a ``FLWR_HOME/config.toml`` holding one connection, also the default
   (insecure, or TLS with a CA certificate), so the user's ``~/.flwr`` is never touched;
 - :func:`run_flwr` - one bounded ``flwr`` call with that ``FLWR_HOME``; :func:`json_payload` - the
@@ -43,8 +43,8 @@ def strip_ansi(text: Any) -> str:
     return _ANSI.sub("", str(text))
 
 
-def flower_executable(name: str) -> str:
-    """The Flower console script from this interpreter's environment, else from PATH."""
+def console_script(name: str) -> str:
+    """A console script (flwr, flower-superlink, ray) from this interpreter's environment, else from PATH."""
     local = Path(sys.executable).parent / name
     if local.is_file() and os.access(local, os.X_OK):
         return str(local)
@@ -84,7 +84,7 @@ def run_flwr(home: Path, args: tuple[str, ...] | list[str], *, env: Mapping[str,
     """``flwr ARGS`` with ``FLWR_HOME=home`` (also its working directory), bounded by ``timeout``
     (``subprocess.TimeoutExpired`` past it)."""
     return subprocess.run(  # noqa: S603
-        [flower_executable("flwr"), *args], cwd=home, env=flwr_env(home, env), capture_output=True,
+        [console_script("flwr"), *args], cwd=home, env=flwr_env(home, env), capture_output=True,
         text=True, timeout=max(timeout, 1.0), check=False)
 
 
@@ -204,7 +204,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     def follow() -> subprocess.Popen[bytes]:
         with log_path.open("wb") as out:
             return subprocess.Popen(  # noqa: S603
-                [flower_executable("flwr"), "log", str(run_id), connection, "--stream"], cwd=home,
+                [console_script("flwr"), "log", str(run_id), connection, "--stream"], cwd=home,
                 env=flwr_env(home, env), stdin=subprocess.DEVNULL, stdout=out, stderr=stream_stderr)
 
     streamer = follow()

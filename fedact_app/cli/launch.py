@@ -18,6 +18,9 @@ module avoids all of that:
    (SuperExec, ``flwr-simulation``, the Ray cluster), also on errors, timeouts, Ctrl-C and
    SIGTERM (turned into ``SystemExit`` while a run is in progress, main thread only).
 
+One run is one :class:`fedact_app.cli.engine.LocalEngine` started and closed around it (its Ray
+cluster started inside the run, as Flower does); a sweep keeps one engine for all its jobs.
+
 Python use::
 
     from fedact_app.cli.launch import run_simulation
@@ -32,46 +35,19 @@ Command line (exit code 0 only when the run finished with sub-status ``completed
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedact_app.cli import flwr
+from fedact_app.cli.engine import CONNECTION, LocalEngine, RunResult
 from fedact_app.cli.flwr import LaunchError
 from fedact_app.cli.procs import pid_alive
-from fedact_app.cli.superlink import SimulationSuperLink
 
 __all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "supernodes_for"]
-
-CONNECTION = "fedact-launch"  # name of the only connection in the private config.toml
-BASE_ENV = {**flwr.BASE_ENV, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-
-
-@dataclass
-class RunResult:
-    """Outcome of one run, as reported by the SuperLink."""
-
-    run_id: int
-    status: str  # as `flwr ls` reports it: "finished:completed", "finished:failed", "running", ...
-    completed: bool  # True only for "finished:completed"
-    log: str  # the run's log (ServerApp + simulation output), ANSI colours stripped
-    seconds: float  # wall time of the whole call, SuperLink start and stop included
-    details: str = ""  # `flwr ls` "status-details", e.g. "Simulation failed with exception: ..."
-    timed_out: bool = False  # the run had not finished when `timeout` ran out
-    superlink_pid: int = 0
-    pids: tuple[int, ...] = field(default=(), repr=False)  # all processes of the SuperLink tree
-
-    def tail(self, lines: int = 40) -> str:
-        """Last ``lines`` lines of the log."""
-        return "\n".join(self.log.splitlines()[-lines:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,69 +93,21 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     LaunchError: the SuperLink did not start or ``flwr run`` did not accept the run.
     """
     t0 = time.monotonic()
-    deadline = t0 + timeout
-    app_path = Path(app_dir).expanduser().resolve()
-    if not (app_path / "pyproject.toml").is_file():
-        raise ValueError(f"{app_path} has no pyproject.toml; not a Flower app directory")
-    if int(num_supernodes) < 1:
-        raise ValueError("num_supernodes must be >= 1")
-    if float(num_cpus_per_client) != int(num_cpus_per_client) or int(num_cpus_per_client) < 1:
-        raise ValueError("num_cpus_per_client must be a positive integer (Flower's proto is int)")
-
-    own_home = flwr_home is None
-    home = Path(tempfile.mkdtemp(prefix="fedact-flwr-")) if own_home else Path(flwr_home)
-    home = home.expanduser().resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **BASE_ENV, **(env or {}), "FLWR_HOME": str(home)}
-
-    link: SimulationSuperLink | None = None
+    engine = LocalEngine(shared_ray=False, env=env, cwd=cwd, flwr_home=flwr_home)
     restore = _exit_on_termination()
     try:
-        link = SimulationSuperLink.start(home, full_env, Path(cwd) if cwd else Path.cwd(), deadline)
-        flwr.write_connection(home, CONNECTION, f"127.0.0.1:{link.port}")
-
-        config = dict(run_config or {})
-        if overrides:
-            config["overrides"] = overrides
-        fed = {
-            "num-supernodes": int(num_supernodes),
-            "client-resources-num-cpus": int(num_cpus_per_client),
-            "client-resources-num-gpus": float(num_gpus_per_client),
-            **(federation_config or {}),
-        }
-        try:
-            run_id = flwr.submit_run(home, app_path, CONNECTION, config, federation_config=fed, env=full_env)
-        except LaunchError as err:
-            raise LaunchError(f"{err}\n--- SuperLink output ---\n{link.output_tail()}") from None
-
-        def gone() -> str | None:
-            if link.proc.poll() is None:
-                return None
-            return f"the SuperLink exited (rc={link.proc.returncode}):\n{link.output_tail()}"
-
-        run = flwr.follow_run(home, CONNECTION, run_id, home / f"run-{run_id}.log", deadline=deadline,
-                              poll_interval=poll_interval, env=full_env, superlink_gone=gone)
+        engine.start(deadline=t0 + timeout)
+        result = engine.run(app_dir, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
+                            run_config, timeout - (time.monotonic() - t0),
+                            federation_config=federation_config, poll_interval=poll_interval)
     finally:
-        pids: tuple[int, ...] = ()
         try:
-            if link is not None:
-                pids = link.stop()
-            if own_home:
-                shutil.rmtree(home, ignore_errors=True)
+            pids = engine.close()
         finally:
             restore()
-
-    return RunResult(
-        run_id=run_id,
-        status=run.status,
-        completed=run.status == "finished:completed",
-        log=run.log,
-        seconds=time.monotonic() - t0,
-        details=run.details,
-        timed_out=run.timed_out,
-        superlink_pid=link.pid,
-        pids=pids,
-    )
+    result.pids = pids
+    result.seconds = time.monotonic() - t0
+    return result
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,6 +4,9 @@ what descends from a pid, and signals that ignore processes already gone."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -52,3 +55,52 @@ def descendants(root: int) -> set[int]:
                 found.add(child)
                 stack.append(child)
     return found
+
+
+def stop_tree(proc: subprocess.Popen, seen: set[int], grace: float) -> tuple[int, ...]:
+    """Stop ``proc`` and every process it spawned; return all pids seen (``seen`` is updated).
+
+    Daemons started under ``proc`` may live in their own process groups and outlive it. So:
+    snapshot the tree, SIGTERM ``proc`` (SIGKILL after ``grace`` seconds), then SIGTERM and
+    finally SIGKILL whatever of the tree, and of the tree's process groups, is left.
+    """
+    seen |= descendants(proc.pid)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            seen |= descendants(proc.pid)
+            proc.kill()
+            proc.wait()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _signal_leftovers(seen, sig):
+            break
+        until = time.monotonic() + grace
+        while time.monotonic() < until and any(pid_alive(p) for p in seen):
+            time.sleep(0.1)
+    return tuple(sorted(seen | {proc.pid}))
+
+
+def _signal_leftovers(seen: set[int], sig: int) -> bool:
+    own_group = os.getpgrp()
+    alive = [p for p in seen if pid_alive(p)]
+    groups = {g for p in alive if (g := _pgid(p)) is not None and g != own_group}
+    for pid in alive:  # their children too, before they are re-parented away
+        seen |= descendants(pid)
+    for target in sorted(seen):
+        if pid_alive(target):
+            kill_quietly(target, sig)
+    for group in groups:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return bool(alive)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None

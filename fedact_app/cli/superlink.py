@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -14,8 +12,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedact_app.cli.flwr import LaunchError, flower_executable, free_port, strip_ansi
-from fedact_app.cli.procs import descendants, kill_quietly, pid_alive
+from fedact_app.cli.flwr import LaunchError, console_script, free_port, strip_ansi
+from fedact_app.cli.procs import stop_tree
 
 STARTUP_TIMEOUT = 60.0  # seconds for the SuperLink to answer /health
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
@@ -42,7 +40,7 @@ class SimulationSuperLink:
             port = free_port()
             log_file = home / f"superlink-{port}.log"
             cmd = [
-                flower_executable("flower-superlink"),
+                console_script("flower-superlink"),
                 "--insecure",
                 "--simulation",
                 "--disable-runtime-dependency-installation",
@@ -96,49 +94,7 @@ class SimulationSuperLink:
         """Stop the SuperLink and everything it spawned; return all pids seen.
 
         SIGTERM to the SuperLink lets it stop its SuperExec, but a ``flwr-simulation`` process
-        and its Ray cluster (own process group, under the SuperExec) survive it. So: snapshot
-        the process tree, SIGTERM the SuperLink, then SIGTERM and finally SIGKILL whatever of the
-        tree (and of the tree's process groups) is left.
+        and its Ray cluster (own process group, under the SuperExec) survive it; so the whole tree
+        is stopped (:func:`fedact_app.cli.procs.stop_tree`).
         """
-        self._snapshot()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                self._snapshot()
-                self.proc.kill()
-                self.proc.wait()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if not self._signal_leftovers(sig):
-                break
-            until = time.monotonic() + STOP_GRACE
-            while time.monotonic() < until and any(pid_alive(p) for p in self.seen):
-                time.sleep(0.1)
-        return tuple(sorted(self.seen | {self.pid}))
-
-    def _snapshot(self) -> None:
-        self.seen |= descendants(self.pid)
-
-    def _signal_leftovers(self, sig: int) -> bool:
-        own_group = os.getpgrp()
-        alive = [p for p in self.seen if pid_alive(p)]
-        groups = {g for p in alive if (g := _pgid(p)) is not None and g != own_group}
-        for pid in alive:  # their children too, before they are re-parented away
-            self.seen |= descendants(pid)
-        for target in sorted(self.seen):
-            if pid_alive(target):
-                kill_quietly(target, sig)
-        for group in groups:
-            try:
-                os.killpg(group, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        return bool(alive)
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except (ProcessLookupError, PermissionError):
-        return None
+        return stop_tree(self.proc, self.seen, STOP_GRACE)

@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedact_app.cli.flwr import (LaunchError, flower_executable, follow_run, free_port, json_payload, run_flwr,
+from fedact_app.cli.flwr import (LaunchError, console_script, follow_run, free_port, json_payload, run_flwr,
                                  strip_ansi, submit_run, write_connection)
 from fedact_app.cli import flwr as flwr_cli
 from fedact_app.cli.procs import descendants, kill_quietly, pid_alive
@@ -208,7 +208,7 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
     for attempt in range(1, PORT_ATTEMPTS + 1):  # a free port can be taken before we bind it
         link_port = port or free_port(HOST)
         link_cmd = [
-            flower_executable("flower-superlink"),
+            console_script("flower-superlink"),
             "--ssl-ca-certfile", str(certs / "ca.crt"),
             "--ssl-certfile", str(certs / "server.pem"),
             "--ssl-keyfile", str(certs / "server.key"),
@@ -281,7 +281,7 @@ def start_supernode(cluster: Cluster, name: str, private_key: Path | None, node_
     ``private_key`` is given). It is not added to ``cluster.nodes``: the caller decides."""
     port = port or free_port(HOST)
     cmd = [
-        flower_executable("flower-supernode"),
+        console_script("flower-supernode"),
         "--superlink", f"{HOST}:{cluster.port}",
         "--root-certificates", str(cluster.root / "certs" / "ca.crt"),
         "--host", HOST,

@@ -1,0 +1,249 @@
+"""A local simulation engine that serves many runs: one private SuperLink, and for runs made one
+at a time one private Ray cluster they all attach to.
+
+A run of the app on a fresh SuperLink pays, besides its rounds, for the SuperLink's start, a Ray
+cluster's start and stop inside its ``flwr-simulation`` process, and the SuperLink's stop. A sweep
+of N jobs pays that N times. A :class:`LocalEngine` pays the SuperLink once and, with
+``max_parallel=1``, Ray once: Flower 1.41's Ray backend calls ``ray.init()`` without an address, so
+``RAY_ADDRESS`` in the SuperLink's environment makes every run's ``flwr-simulation`` attach to the
+engine's cluster (:mod:`.ray_cluster`). Each job stays its own Flower run (run id, log, status,
+run folder, seed); the engine only removes fixed costs, and a job's metrics are bit-identical to
+the same run on a fresh SuperLink (tests/test_engine_e2e.py).
+
+With ``max_parallel > 1`` several runs are in flight on the one SuperLink, and each run starts a
+Ray cluster of its own: Flower sizes a run's actor pool from the whole cluster's CPUs, so runs
+sharing one cluster would wait on each other's actors, past the round's and the identification's
+timeouts.
+
+A run that outlives its ``timeout`` is stopped (``flwr stop``); if it is still not finished after
+:data:`STOP_WAIT` seconds, the engine is restarted before its next run, so that a stuck run
+cannot slow or starve the next one.
+
+    with LocalEngine() as engine:
+        for overrides in ("seed=0", "seed=1"):
+            result = engine.run(".", overrides=overrides, num_supernodes=10)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedact_app.cli import flwr
+from fedact_app.cli.flwr import LaunchError
+from fedact_app.cli.ray_cluster import RayCluster
+from fedact_app.cli.superlink import SimulationSuperLink
+
+CONNECTION = "fedact-launch"  # name of the only connection in the engine's config.toml
+BASE_ENV = {
+    **flwr.BASE_ENV,
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",  # Flower's default 1.0 s is waited at every run's start
+}
+STOP_WAIT = 30.0  # seconds a stopped run has to finish before the engine is restarted
+
+
+@dataclass
+class RunResult:
+    """Outcome of one run, as reported by the SuperLink."""
+
+    run_id: int
+    status: str  # as `flwr ls` reports it: "finished:completed", "finished:failed", "running", ...
+    completed: bool  # True only for "finished:completed"
+    log: str  # the run's log (ServerApp + simulation output), ANSI colours stripped
+    seconds: float  # wall time of the run, from submission to its end (a lone run: start and stop included)
+    details: str = ""  # `flwr ls` "status-details", e.g. "Simulation failed with exception: ..."
+    timed_out: bool = False  # the run had not finished when `timeout` ran out
+    superlink_pid: int = 0
+    pids: tuple[int, ...] = field(default=(), repr=False)  # a lone run: all processes of the SuperLink tree
+
+    def tail(self, lines: int = 40) -> str:
+        """Last ``lines`` lines of the log."""
+        return "\n".join(self.log.splitlines()[-lines:])
+
+
+class LocalEngine:
+    """A private simulation SuperLink (and Ray cluster) for many runs; a context manager. It starts
+    with its first run (so a sweep whose jobs are all done starts nothing) and stops on ``close``.
+
+    Parameters
+    ----------
+    max_parallel: runs in flight at once (``run`` may be called from that many threads).
+    shared_ray: one Ray cluster for all runs (default: when ``max_parallel`` is 1, the only case
+        where it is safe); False: each run's ``flwr-simulation`` starts its own, as Flower does.
+    num_cpus, num_gpus: the shared Ray cluster's resources (default: this machine's CPUs; Ray's
+        own GPU detection), as a run's own ``ray.init()`` would find them.
+    env: extra environment for the SuperLink (and so the ServerApps and ClientApps) and ``flwr``.
+    cwd: working directory of the SuperLink and hence of the running apps (default: the caller's).
+    flwr_home: FLWR_HOME to use (kept afterwards); default: a temporary one, deleted by ``close``.
+    """
+
+    def __init__(self, *, max_parallel: int = 1, shared_ray: bool | None = None, num_cpus: int | None = None, num_gpus: float | None = None,
+                 env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+                 flwr_home: str | Path | None = None) -> None:
+        if int(max_parallel) < 1:
+            raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
+        self.max_parallel = int(max_parallel)
+        self.shared_ray = self.max_parallel == 1 if shared_ray is None else bool(shared_ray)
+        if self.shared_ray and self.max_parallel > 1:
+            raise ValueError("shared_ray=True needs max_parallel=1: runs sharing one Ray cluster wait on "
+                             "each other's actors")
+        self.num_cpus = int(num_cpus or os.cpu_count() or 1)
+        self.num_gpus = num_gpus
+        self.cwd = Path(cwd) if cwd else Path.cwd()
+        self._own_home = flwr_home is None
+        self.home = Path(flwr_home).expanduser().resolve() if flwr_home else None
+        self._extra_env = dict(env or {})
+        self.env: dict[str, str] = {}
+        self.link: SimulationSuperLink | None = None
+        self.ray: RayCluster | None = None
+        self.pids: set[int] = set()  # every process the engine's SuperLinks and clusters had
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._restart = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, deadline: float | None = None) -> None:
+        """Start the shared Ray cluster (if any) and the SuperLink; LaunchError if either fails."""
+        deadline = time.monotonic() + 120.0 if deadline is None else deadline
+        if self.home is None:
+            self.home = Path(tempfile.mkdtemp(prefix="fedact-flwr-")).resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home)}
+        env.pop("RAY_ADDRESS", None)  # never a cluster the user's environment happens to name
+        try:
+            if self.shared_ray:
+                self.ray = RayCluster.start(self.num_cpus, self.num_gpus, env)
+                env["RAY_ADDRESS"] = self.ray.address
+            self.env = env
+            self.link = SimulationSuperLink.start(self.home, env, self.cwd, deadline)
+        except BaseException:
+            self._stop_processes()
+            raise
+        flwr.write_connection(self.home, CONNECTION, f"127.0.0.1:{self.link.port}")
+
+    def close(self) -> tuple[int, ...]:
+        """Stop the SuperLink, the Ray cluster and everything they spawned; all pids seen."""
+        self._stop_processes()
+        if self._own_home and self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+            self.home = None
+        return tuple(sorted(self.pids))
+
+    def _stop_processes(self) -> None:
+        if self.link is not None:
+            self.pids |= set(self.link.stop())
+            self.link = None
+        if self.ray is not None:
+            self.pids |= set(self.ray.stop())
+            self.ray = None
+
+    def _claim(self) -> None:
+        """Count one more run in flight; start the engine first if it is not running, or restart it
+        after a run that would not stop (then only once no other run is in flight)."""
+        while True:
+            with self._lock:
+                if self.link is not None and not self._restart:
+                    self._in_flight += 1
+                    return
+                if not self._in_flight:
+                    if self._restart:
+                        self._stop_processes()
+                        self._restart = False
+                    self.start()
+                    self._in_flight += 1
+                    return
+            time.sleep(0.5)
+
+    # ------------------------------------------------------------------ runs
+
+    def run(  # noqa: PLR0913 - the run's own flat, explicit settings
+        self,
+        app_dir: str | Path,
+        overrides: str = "",
+        num_supernodes: int = 2,
+        num_cpus_per_client: int = 1,
+        num_gpus_per_client: float = 0.0,
+        run_config: Mapping[str, Any] | None = None,
+        timeout: float = 600.0,
+        *,
+        federation_config: Mapping[str, Any] | None = None,
+        poll_interval: float = 10.0,
+    ) -> RunResult:
+        """Submit one run of the Flower app in ``app_dir`` and wait for it (see
+        :func:`fedact_app.cli.launch.run_simulation` for the parameters). LaunchError when the run
+        could not be submitted."""
+        t0 = time.monotonic()
+        app_path = Path(app_dir).expanduser().resolve()
+        if not (app_path / "pyproject.toml").is_file():
+            raise ValueError(f"{app_path} has no pyproject.toml; not a Flower app directory")
+        if int(num_supernodes) < 1:
+            raise ValueError("num_supernodes must be >= 1")
+        if float(num_cpus_per_client) != int(num_cpus_per_client) or int(num_cpus_per_client) < 1:
+            raise ValueError("num_cpus_per_client must be a positive integer (Flower's proto is int)")
+        self._claim()
+        try:
+            return self._run(app_path, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
+                             run_config, t0 + timeout, federation_config, poll_interval, t0)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _run(self, app_path: Path, overrides: str, num_supernodes: int, num_cpus: int, num_gpus: float,
+             run_config: Mapping[str, Any] | None, deadline: float,
+             federation_config: Mapping[str, Any] | None, poll_interval: float, t0: float) -> RunResult:
+        link, home = self.link, self.home
+        config = dict(run_config or {})
+        if overrides:
+            config["overrides"] = overrides
+        fed = {
+            "num-supernodes": int(num_supernodes),
+            "client-resources-num-cpus": int(num_cpus),
+            "client-resources-num-gpus": float(num_gpus),
+            **(federation_config or {}),
+        }
+        try:
+            run_id = flwr.submit_run(home, app_path, CONNECTION, config, federation_config=fed, env=self.env)
+        except LaunchError as err:
+            raise LaunchError(f"{err}\n--- SuperLink output ---\n{link.output_tail()}") from None
+
+        def gone() -> str | None:
+            if link.proc.poll() is None:
+                return None
+            return f"the SuperLink exited (rc={link.proc.returncode}):\n{link.output_tail()}"
+
+        run = flwr.follow_run(home, CONNECTION, run_id, home / f"run-{run_id}.log", deadline=deadline,
+                              poll_interval=poll_interval, env=self.env, superlink_gone=gone)
+        if run.timed_out:
+            self._stop_run(run_id)
+        return RunResult(run_id=run_id, status=run.status, completed=run.status == "finished:completed",
+                         log=run.log, seconds=time.monotonic() - t0, details=run.details,
+                         timed_out=run.timed_out, superlink_pid=link.pid)
+
+    def _stop_run(self, run_id: int) -> None:
+        """``flwr stop`` a run past its timeout; restart the engine before the next run if it goes on."""
+        try:
+            flwr.run_flwr(self.home, ["stop", str(run_id), CONNECTION], env=self.env)
+        except Exception:  # noqa: BLE001, S110 - a stop that fails is handled like one that does not stop
+            pass
+        until = time.monotonic() + STOP_WAIT
+        while time.monotonic() < until:
+            if flwr.run_status(self.home, CONNECTION, run_id, env=self.env)[0].startswith("finished"):
+                return
+            time.sleep(1.0)
+        with self._lock:
+            self._restart = True
