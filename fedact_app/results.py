@@ -141,6 +141,7 @@ class RunRecorder:
         self.num_rounds = cfg.num_rounds
         self.rows: list[dict] = []
         self.started = time.perf_counter()
+        self.started_at = time.time()  # Unix time, for tools that split a run's wall time (scripts/bench_run.py)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.metrics_path = run_dir / "metrics.jsonl"
         self.metrics_path.write_text("")
@@ -181,6 +182,8 @@ class RunRecorder:
         summary = {
             "rounds": self.rows[-1]["round"] if self.rows else 0,
             "seconds": time.perf_counter() - self.started,
+            "started_at": self.started_at,
+            "finished_at": time.time(),
             "initial_test_accuracy": evaluated[0]["test_accuracy"] if evaluated else math.nan,
             "final_test_accuracy": evaluated[-1]["test_accuracy"] if evaluated else math.nan,
             "best_test_accuracy": max((r["test_accuracy"] for r in evaluated), default=math.nan),

@@ -1,7 +1,10 @@
 """End to end: a run is a function of its config, and that function is Algorithm 1.
 
 Through real `flwr run` simulations (each launch gets new random node ids from Flower) with half
-the clients sampled per round: two launches of one config give bit-identical metrics and model;
+the clients sampled per round: two launches of one config give bit-identical metrics and model,
+one of them alone on a fresh SuperLink (``run_simulation``, with a foreign ``RAY_ADDRESS`` it must
+ignore), the other as a sweep job on a shared engine (``LocalEngine``: its SuperLink and Ray
+cluster serve the FedAdamW run first);
 FedACT and FedAdamW at one seed train the same clients in the same rounds; and each run matches,
 round by round, a plain in-process loop written here from the seed's Algorithm 1 and server rule
 (no app optimizer, rule, strategy or trainer in it) over the same data, batches and initial model.
@@ -19,6 +22,7 @@ from safetensors.torch import load_file
 
 from fedact_app.config import compose
 from fedact_app.train import batch_generator
+from fedact_app.cli.engine import LocalEngine
 from fedact_app.cli.launch import run_simulation
 from fedact_app.tasks.base import build_task
 
@@ -29,23 +33,31 @@ CONFIG = ("num_clients=6 fraction_train=0.5 min_train_nodes=3 num_rounds=4 local
 # the wall-clock columns are the only ones a repeat may change
 CLOCK_COLUMNS = ("seconds", "client_train_seconds", "client_train_seconds_max")
 JOBS = {"fedact-1": "algorithm=fedact", "fedact-2": "algorithm=fedact", "fedadamw": "algorithm=fedadamw"}
+NOTHING_THERE = "127.0.0.1:9"  # a Ray address a run would fail to reach
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("repeat")
 
-    def launch(name):
+    def outcome(name, launch):
         output = base / name
-        result = run_simulation(APP_DIR, overrides=f"{JOBS[name]} {CONFIG} output_dir={output}",
-                                num_supernodes=6, timeout=600)
+        result = launch(APP_DIR, overrides=f"{JOBS[name]} {CONFIG} output_dir={output}", num_supernodes=6,
+                        timeout=600)
         assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
         (folder,) = list(output.iterdir())
         rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         return name, (rows, load_file(str(folder / "model.safetensors")))
 
-    with ThreadPoolExecutor(len(JOBS)) as pool:
-        return dict(pool.map(launch, JOBS))
+    def alone():
+        return [outcome("fedact-1", lambda *a, **kw: run_simulation(*a, **kw, env={"RAY_ADDRESS": NOTHING_THERE}))]
+
+    def on_one_engine():
+        with LocalEngine() as engine:
+            return [outcome(name, engine.run) for name in ("fedadamw", "fedact-2")]
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(item for batch in pool.map(lambda job: job(), (alone, on_one_engine)) for item in batch)
 
 
 def without_clock(rows):

@@ -1,0 +1,251 @@
+"""Benchmark: a whole app run, and a sweep's jobs, against a plain PyTorch loop doing the same work.
+
+    python scripts/bench_run.py                          # the README's digits run, 2 repeats, 3 sweep jobs
+    python scripts/bench_run.py --setting vit --data /work/data/fmnist   # issue 20's tiny-ViT Fashion-MNIST run
+    python scripts/bench_run.py --quick                  # a smoke run (2 rounds, 1 repeat, 2 jobs)
+
+Three figures, measured in one go, each as a ratio to the plain loop measured in the same go:
+
+1. **Whole run**: ``python -m fedact_app.cli.launch`` as a user runs it (``run_simulation``: a fresh
+   SuperLink, Ray started inside the run, start to exit) against the plain loop as its own Python
+   process (spawn to exit: imports, data, model, every round, evaluation). The app run's wall time
+   is split with its ``summary.json`` clocks: start-up (SuperLink, ``flwr run``, the simulation
+   process, imports, task and model) until the run folder exists; the ServerApp's round 0
+   (identification is in round 1), its rounds, and shutdown (after the final model is written).
+2. **Rounds**: the app's rounds 1..R (``metrics.jsonl`` ``seconds``, evaluation included) against
+   the plain loop's, summed, and the median round of each.
+3. **Sweep jobs**: N runs (seeds 1..N) on one :class:`fedact_app.cli.engine.LocalEngine` (one
+   SuperLink, one Ray cluster); each job's wall time, and its fixed cost (wall time minus the plain
+   loop's whole run), for the jobs after the first.
+
+The plain loop uses the app's own pieces (``build_task``, ``ClientTrainer``, the method's server
+rule, ``sample_clients``, ``CentralEvaluator``), clients one after another in one process with the
+machine's torch threads; the app runs its clients in Ray actors of one CPU each. The repeats are
+interleaved (plain, app, plain, app, ...); figures are medians with the range over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parents[1]
+if str(APP_DIR) not in sys.path:
+    sys.path.insert(0, str(APP_DIR))
+
+SETTINGS = {
+    "digits": "",  # the README's main run: the config's defaults
+    "vit": ("dataset=fashion_mnist dataset.augment=false model=vit_tiny model.kwargs.patch_size=7 "
+            "model.kwargs.embed_dim=64 model.kwargs.depth=2 model.kwargs.num_heads=2 "
+            "model.kwargs.mlp_ratio=2.0 partition.alpha=0.1 num_clients=20 fraction_train=0.25 "
+            "min_train_nodes=5 local_steps=10 batch_size=32 num_rounds=60 eval_every=5 algorithm.lr=1e-3"),
+}
+ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+# ------------------------------------------------------------------ the plain loop (its own process)
+
+
+def plain_run(overrides: str) -> dict:
+    """The run's rounds in this process with the app's pieces; per-round seconds and accuracy."""
+    from fedact_app.algorithms import ALGORITHMS
+    from fedact_app.client_trainer import ClientTrainer
+    from fedact_app.config import compose
+    from fedact_app.sampling import sample_clients, sample_count
+    from fedact_app.server_app import CentralEvaluator, seed_everything
+    from fedact_app.tasks.base import build_task
+    from fedact_app.train import cosine_lr
+
+    cfg = compose(overrides)
+    task = build_task(cfg)
+    task.check_data()
+    seed_everything(cfg.seed)
+    model = task.build_model()
+    state = model.state_dict()
+    x = {name: state[name].detach().clone() for name in task.shared_names(model)}
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    a = cfg.algorithm
+    rule = ALGORITHMS[a.name].server(a, trainable, num_clients=cfg.num_clients)
+    evaluator = CentralEvaluator(cfg, task, model)
+    trainer = ClientTrainer(cfg)
+    kept: dict[int, dict] = {}
+    evaluator(0, x)
+    rounds, accuracy = [], None
+    for server_round in range(1, cfg.num_rounds + 1):
+        started = time.perf_counter()
+        count = sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes)
+        clients = sorted(sample_clients(range(cfg.num_clients), count, seed=cfg.seed,
+                                        server_round=server_round, purpose="train"))
+        lr = cosine_lr(server_round, cfg.num_rounds, a.lr, a.lr_min)
+        received = rule.broadcast()
+        updates = []
+        for client in clients:
+            result = trainer.train_round(x, received, partition_id=client, num_partitions=cfg.num_clients,
+                                         server_round=server_round, lr=lr, local_steps=cfg.local_steps,
+                                         global_step=(server_round - 1) * cfg.local_steps,
+                                         client_state=kept.get(client))
+            kept[client] = result.client_state
+            updates.append(result.update)
+        x = rule.aggregate(x, updates)
+        if (metrics := evaluator(server_round, x)) is not None:
+            accuracy = metrics.get("test_accuracy", accuracy)
+        rounds.append(time.perf_counter() - started)
+    return {"rounds": rounds, "final_test_accuracy": accuracy}
+
+
+def plain_process(overrides: str) -> dict:
+    """:func:`plain_run` as its own Python process; its wall time from spawn to exit added."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, __file__, "--plain-child", overrides], capture_output=True,
+                          text=True, env={**os.environ, **ENV}, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the plain loop failed:\n{proc.stderr[-3000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "wall": time.monotonic() - started}
+
+
+# ------------------------------------------------------------------ the app
+
+
+def run_record(output: Path) -> dict:
+    """The rounds' seconds and the summary of the one run under ``output``."""
+    (folder,) = [p for p in output.iterdir() if (p / "summary.json").is_file()]
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((folder / "summary.json").read_text())
+    return {"rounds": [r["seconds"] for r in rows if r["round"] >= 1], "summary": summary}
+
+
+def app_alone(overrides: str, output: Path) -> dict:
+    """One launcher run, as ``python -m fedact_app.cli.launch`` makes it; its wall time split."""
+    from fedact_app.cli.launch import run_simulation
+    from fedact_app.config import compose
+
+    cfg = compose(overrides)
+    begun = time.time()
+    result = run_simulation(APP_DIR, overrides=f"{overrides} output_dir={output}".strip(),
+                            num_supernodes=cfg.num_clients, timeout=3600, env=ENV)
+    ended = time.time()
+    if not result.completed:
+        raise RuntimeError(f"the app run did not complete: {result.status} {result.details}\n{result.tail()}")
+    record = run_record(output)
+    summary = record["summary"]
+    rounds = sum(record["rounds"])
+    return {**record, "wall": result.seconds, "startup": summary["started_at"] - begun,
+            "round0": summary["seconds"] - rounds, "shutdown": ended - summary["finished_at"],
+            "final_test_accuracy": summary["final_test_accuracy"]}
+
+
+def sweep_jobs(overrides: str, jobs: int, base: Path) -> list[dict]:
+    """``jobs`` runs (seeds 1..jobs) on one engine; each job's wall time and record."""
+    from fedact_app.cli.engine import LocalEngine
+    from fedact_app.config import compose
+
+    cfg = compose(overrides)
+    found = []
+    with LocalEngine(env=ENV) as engine:
+        for seed in range(1, jobs + 1):
+            output = base / f"job-{seed}"
+            result = engine.run(APP_DIR, overrides=f"{overrides} seed={seed} output_dir={output}".strip(),
+                                num_supernodes=cfg.num_clients, timeout=3600)
+            if not result.completed:
+                raise RuntimeError(f"sweep job {seed} did not complete: {result.status}\n{result.tail()}")
+            found.append({**run_record(output), "wall": result.seconds})
+    return found
+
+
+# ------------------------------------------------------------------ report
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    """median [min-max]"""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}"
+
+
+def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], jobs: list[dict]) -> str:
+    import torch
+
+    med = statistics.median
+    plain_rounds = [sum(p["rounds"]) for p in plain]
+    lines = [f"bench_run: setting {setting!r} ({overrides or 'the config defaults'})",
+             f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads",
+             f"{len(plain)} repeats, interleaved; median [min-max] in seconds", "",
+             f"{'':44} {'seconds':>22} {'/ plain':>8}",
+             f"{'plain loop, whole process':44} {spread([p['wall'] for p in plain]):>22}",
+             f"{'  its rounds (1..R)':44} {spread(plain_rounds):>22}"]
+    walls = [a["wall"] for a in alone]
+    lines.append(f"{'1. app run alone (launcher, start to exit)':44} {spread(walls):>22} "
+                 f"{med(walls) / med([p['wall'] for p in plain]):>7.2f}x")
+    for name, key in (("start-up until the run folder", "startup"), ("ServerApp round 0 (evaluation)", "round0")):
+        lines.append(f"{'  ' + name:44} {spread([a[key] for a in alone]):>22}")
+    app_rounds = [sum(a["rounds"]) for a in alone]
+    lines.append(f"{'  round 1 (Ray, actors, identification)':44} {spread([a['rounds'][0] for a in alone]):>22}")
+    lines.append(f"{'  rounds 2..R':44} {spread([sum(a['rounds'][1:]) for a in alone]):>22}")
+    lines.append(f"{'  shutdown after the final model':44} {spread([a['shutdown'] for a in alone]):>22}")
+    lines.append(f"{'2. app rounds 1..R, summed':44} {spread(app_rounds):>22} {med(app_rounds) / med(plain_rounds):>7.2f}x")
+    steady_app = [med(a["rounds"][1:]) for a in alone if len(a["rounds"]) > 1]
+    steady_plain = [med(p["rounds"][1:]) for p in plain if len(p["rounds"]) > 1]
+    if steady_app and steady_plain:
+        lines.append(f"{'   median round 2..R: app / plain':44} {spread(steady_app, '{:.3f}'):>22} "
+                     f"{med(steady_app) / med(steady_plain):>7.2f}x  (plain {spread(steady_plain, '{:.3f}')})")
+    if jobs:
+        later = jobs[1:] or jobs
+        job_walls = [j["wall"] for j in later]
+        fixed = [j["wall"] - med([p["wall"] for p in plain]) for j in later]
+        lines.append(f"{'3. sweep job on one engine (jobs 2..N)':44} {spread(job_walls):>22} "
+                     f"{med(job_walls) / med([p['wall'] for p in plain]):>7.2f}x")
+        lines.append(f"{'   first job (starts SuperLink and Ray)':44} {jobs[0]['wall']:>22.1f}")
+        lines.append(f"{'   fixed cost per job (wall - plain run)':44} {spread(fixed):>22}")
+        lines.append(f"{'   its rounds 1..R':44} {spread([sum(j['rounds']) for j in later]):>22}")
+    accuracy = {round(p["final_test_accuracy"], 4) for p in plain} | {round(a["final_test_accuracy"], 4) for a in alone}
+    lines += ["", f"final test accuracy, plain loop and app runs (one seed): {sorted(accuracy)}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="digits")
+    parser.add_argument("--data", default=None, help="dataset.path (the vit setting's Fashion-MNIST folder)")
+    parser.add_argument("--overrides", default="", help="more Hydra overrides for every run")
+    parser.add_argument("--repeats", type=int, default=2, help="plain/app pairs, interleaved")
+    parser.add_argument("--jobs", type=int, default=3, help="sweep jobs on one engine (0: none)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 1 repeat, 2 jobs (a smoke run)")
+    parser.add_argument("--plain-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.plain_child is not None:
+        print(json.dumps(plain_run(args.plain_child)))
+        return 0
+    if args.setting == "vit" and not args.data:
+        parser.error("--setting vit needs --data <Fashion-MNIST folder> (scripts/data/fashion_mnist.py)")
+    overrides = " ".join(filter(None, [SETTINGS[args.setting], f"dataset.path={args.data}" if args.data else "",
+                                       args.overrides, "num_rounds=2" if args.quick else ""]))
+    if args.quick:
+        args.repeats, args.jobs = 1, min(args.jobs, 2)
+    plain, alone = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
+        base = Path(tmp)
+        for repeat in range(args.repeats):
+            plain.append(plain_process(overrides))
+            alone.append(app_alone(overrides, base / f"alone-{repeat}"))
+        jobs = sweep_jobs(overrides, args.jobs, base) if args.jobs else []
+    print(report(args.setting, overrides, plain, alone, jobs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
