@@ -19,6 +19,18 @@ os.environ["FEDACT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedact-test-cache-")
 atexit.register(shutil.rmtree, os.environ["FEDACT_CACHE_DIR"], ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def flower_engine():
+    """One local engine for the session's end-to-end runs (fedact_app.cli.engine.LocalEngine: one
+    SuperLink and one Ray cluster, runs one after another), as a sweep uses it: on 2 cores that is
+    faster than runs side by side, each paying for its own SuperLink and Ray. tests/test_launch.py
+    and tests/test_reproducible_e2e.py also run the app alone on a fresh SuperLink."""
+    from fedact_app.cli.engine import LocalEngine
+
+    with LocalEngine() as engine:
+        yield engine
+
+
 class FakeEngine:
     """Stands in for fedact_app.cli.engine.LocalEngine: ``run`` calls ``outcome(app_dir, overrides,
     num_supernodes, **kwargs)`` and returns (or raises) what it gives; no Flower process starts."""

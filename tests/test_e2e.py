@@ -1,26 +1,22 @@
 """End to end: the real app through `flwr run` on a real local SuperLink in simulation mode.
 
-Every method runs once on digits with its YAML defaults (the seed's). The runs are independent
-(each ``run_simulation`` has its own SuperLink, port and FLWR_HOME), so a module fixture runs the
-selected ones three at a time, which is ~1.5x faster on a 2-core machine than one after another.
+Every method runs once on digits with its YAML defaults (the seed's). A module fixture runs the
+selected ones one after another on the session's engine (conftest.py ``flower_engine``).
 """
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from fedact_app.algorithms import ALGORITHMS
-from fedact_app.cli.launch import run_simulation
 
 # The module fixture runs every selected job inside the first test's setup, which pytest-timeout
 # counts against that test: allow for all of them on a slow 2-core machine (about 12 runs of
-# 40-120 s each, three at a time), not for one.
+# 10-60 s each), not for one.
 pytestmark = pytest.mark.timeout(2400)
 APP_DIR = Path(__file__).resolve().parents[1]
-PARALLEL_RUNS = 3
 SHORT = "num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=10"
 LEARNS = ("algorithm=fedact num_rounds=3 num_clients=3 fraction_train=1.0 min_train_nodes=3 "
           "local_steps=15 algorithm.lr=3e-3")
@@ -52,23 +48,21 @@ def selected_jobs(session) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory) -> dict:
-    """name -> (output folder, RunResult) for every selected job, PARALLEL_RUNS at a time."""
+def runs(request, tmp_path_factory, flower_engine) -> dict:
+    """name -> (output folder, RunResult) for every selected job."""
     base = tmp_path_factory.mktemp("runs")
 
     def run(name):
         output = base / name
         overrides, supernodes = JOBS[name]
         try:
-            result = run_simulation(APP_DIR, overrides=f"{overrides} output_dir={output}",
-                                    num_supernodes=supernodes, timeout=420)
+            result = flower_engine.run(APP_DIR, overrides=f"{overrides} output_dir={output}",
+                                       num_supernodes=supernodes, timeout=420)
         except Exception as err:  # reported by the tests of this job only
             result = err
         return name, output, result
 
-    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        return {name: (output, result) for name, output, result
-                in pool.map(run, sorted(selected_jobs(request.session)))}
+    return {name: (output, result) for name, output, result in map(run, sorted(selected_jobs(request.session)))}
 
 
 @pytest.fixture
@@ -139,20 +133,20 @@ def test_bf16_wire_autocast_and_channels_last_run(job, runs):
 
 
 @pytest.mark.e2e
-def test_bad_override_fails_the_run_with_the_reason(tmp_path):
-    result = run_simulation(APP_DIR, overrides=f"algorithm.tau=2 output_dir={tmp_path}",
-                            num_supernodes=2, timeout=300)
+def test_bad_override_fails_the_run_with_the_reason(tmp_path, flower_engine):
+    result = flower_engine.run(APP_DIR, overrides=f"algorithm.tau=2 output_dir={tmp_path}",
+                               num_supernodes=2, timeout=300)
     assert not result.completed
     assert "algorithm.tau" in result.log + result.details
 
 
 @pytest.mark.e2e
-def test_rounds_without_usable_replies_stop_the_run_with_the_reason(tmp_path):
+def test_rounds_without_usable_replies_stop_the_run_with_the_reason(tmp_path, flower_engine):
     # 3 clients configured, 2 SuperNodes: every ClientApp refuses (num-partitions != num_clients),
     # the model stays unchanged and the run stops after max_empty_rounds with a clear message.
-    result = run_simulation(APP_DIR, overrides=f"num_clients=3 num_rounds=5 max_empty_rounds=2 "
-                                               f"local_steps=2 output_dir={tmp_path}",
-                            num_supernodes=2, timeout=300)
+    result = flower_engine.run(APP_DIR, overrides=f"num_clients=3 num_rounds=5 max_empty_rounds=2 "
+                                                  f"local_steps=2 output_dir={tmp_path}",
+                               num_supernodes=2, timeout=300)
     assert not result.completed
     text = result.log + result.details
     assert "No usable client reply in 2 consecutive rounds" in text

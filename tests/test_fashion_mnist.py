@@ -14,7 +14,6 @@ import io
 import json
 import math
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,6 @@ from PIL import Image
 
 from fedact_app.tasks.vision import data, partition, splits
 from fedact_app.config import compose
-from fedact_app.cli.launch import run_simulation
 
 APP_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(APP_DIR / "scripts" / "data"))
@@ -185,21 +183,19 @@ def test_dirichlet_partition_of_the_converted_folder(fmnist):
 
 
 @pytest.fixture(scope="module")
-def runs(fmnist) -> dict:
-    """method -> (output folder, RunResult) of RUN for FedACT and FedAdamW, both at once (each
-    run_simulation has its own SuperLink and FLWR_HOME; on 2 cores this takes ~1.3x one run)."""
+def runs(fmnist, flower_engine) -> dict:
+    """method -> (output folder, RunResult) of RUN for FedACT and FedAdamW, on the session's engine."""
 
     def run(method):
         output = fmnist.parent / f"run-{method}"
         try:
-            result = run_simulation(APP_DIR, overrides=f"{RUN} algorithm={method} {overrides(fmnist)} "
-                                                       f"output_dir={output}", num_supernodes=4, timeout=300)
+            result = flower_engine.run(APP_DIR, overrides=f"{RUN} algorithm={method} {overrides(fmnist)} "
+                                                          f"output_dir={output}", num_supernodes=4, timeout=300)
         except Exception as err:  # reported by that method's test only
             result = err
         return method, (output, result)
 
-    with ThreadPoolExecutor(len(METHODS)) as pool:
-        return dict(pool.map(run, METHODS))
+    return dict(map(run, METHODS))
 
 
 @pytest.mark.e2e

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fedact_app.cli.launch import run_simulation
 
 pytestmark = pytest.mark.timeout(900)
 APP_DIR = Path(__file__).resolve().parents[1]
@@ -56,10 +55,11 @@ def forging_app(folder: Path, key: str, value: float) -> Path:
 @pytest.mark.e2e
 @pytest.mark.parametrize("key, value, extra", [("lr-sum", 1e-9, ""),
                                                ("num-examples", 1e15, "algorithm.weighting=examples")])
-def test_a_forged_number_is_rejected_and_the_run_learns_from_the_others(tmp_path, key, value, extra):
+def test_a_forged_number_is_rejected_and_the_run_learns_from_the_others(tmp_path, key, value, extra,
+                                                                       flower_engine):
     app = forging_app(tmp_path / "app", key, value)
     output = tmp_path / "out"
-    result = run_simulation(app, overrides=f"{RUN} {extra} output_dir={output}", num_supernodes=3, timeout=400)
+    result = flower_engine.run(app, overrides=f"{RUN} {extra} output_dir={output}", num_supernodes=3, timeout=400)
     assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
     (folder,) = list(output.iterdir())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

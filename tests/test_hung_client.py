@@ -17,7 +17,6 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from fedact_app.client_app import handle, node_slot
-from fedact_app.cli.launch import run_simulation
 
 pytestmark = pytest.mark.timeout(600)
 APP_DIR = Path(__file__).resolve().parents[1]
@@ -27,8 +26,8 @@ HUNG = ("num_rounds=3 num_clients=5 fraction_train=1.0 min_train_nodes=4 local_s
 
 
 @pytest.mark.e2e
-def test_a_hung_client_does_not_hold_the_others(tmp_path):
-    result = run_simulation(APP_DIR, overrides=f"{HUNG} output_dir={tmp_path}", num_supernodes=5, timeout=300)
+def test_a_hung_client_does_not_hold_the_others(tmp_path, flower_engine):
+    result = flower_engine.run(APP_DIR, overrides=f"{HUNG} output_dir={tmp_path}", num_supernodes=5, timeout=300)
     assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
     (folder,) = list(tmp_path.iterdir())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -1,24 +1,21 @@
 """End to end: the language tasks through the real app (`flwr run` on a local simulation SuperLink).
 
 Tiny offline settings: a random llama_tiny (bytes tokenizer), 2 SuperNodes, 2 rounds, local data
-written here. The runs are independent, so a module fixture runs them three at a time (as
-tests/test_e2e.py) inside the first test's setup.
+written here. A module fixture runs them one after another on the session's engine (conftest.py
+``flower_engine``, as tests/test_e2e.py) inside the first test's setup.
 """
 
 import json
 import math
 import sysconfig
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from fedact_app.cli.launch import run_simulation
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 APP_DIR = Path(__file__).resolve().parents[1]
-PARALLEL_RUNS = 3
 SHORT = ("partition=iid num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 batch_size=4 local_steps=5 "
          "language.eval_batches=4")
 LORA = "model=lora_causal_lm model.base=llama_tiny model.lora.rank=4 model.lora.alpha=8"
@@ -58,7 +55,7 @@ def jobs(data: dict[str, Path]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, flower_engine) -> dict:
     """name -> (run folder or None, RunResult or exception, seconds)."""
     import time
 
@@ -69,14 +66,13 @@ def runs(tmp_path_factory) -> dict:
         output = base / name
         started = time.perf_counter()
         try:
-            result = run_simulation(APP_DIR, overrides=f"{specs[name]} output_dir={output}", num_supernodes=2,
-                                    timeout=600, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+            result = flower_engine.run(APP_DIR, overrides=f"{specs[name]} output_dir={output}", num_supernodes=2,
+                                       timeout=600)  # offline: conftest.py sets HF_*_OFFLINE
         except Exception as err:  # reported by the tests of this job only
             result = err
         return name, output, result, time.perf_counter() - started
 
-    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        return {name: (output, result, seconds) for name, output, result, seconds in pool.map(run, sorted(specs))}
+    return {name: (output, result, seconds) for name, output, result, seconds in map(run, sorted(specs))}
 
 
 def finished(runs, name) -> tuple[Path, list[dict], dict]:

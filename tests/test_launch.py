@@ -5,6 +5,7 @@ The e2e tests start a real private SuperLink each (~15-25 s on a 2-core machine)
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fedact_app.cli import flwr, launch
+from fedact_app.cli import engine, flwr, launch
 from fedact_app.cli.launch import pid_alive, run_simulation
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -208,13 +209,13 @@ def test_rejected_run_raises_and_stops_superlink(
 ) -> None:
     # `flwr run --format json` exits 0 here too; the launcher must notice and raise.
     stopped: list[tuple[int, ...]] = []
-    real_stop = launch.SimulationSuperLink.stop
+    real_stop = engine.SimulationSuperLink.stop
 
-    def spy(self: launch.SimulationSuperLink) -> tuple[int, ...]:
+    def spy(self: engine.SimulationSuperLink) -> tuple[int, ...]:
         stopped.append(real_stop(self))
         return stopped[-1]
 
-    monkeypatch.setattr(launch.SimulationSuperLink, "stop", spy)
+    monkeypatch.setattr(engine.SimulationSuperLink, "stop", spy)
     with pytest.raises(launch.LaunchError, match="no-such-key"):
         run_simulation(tiny_app, run_config={"no-such-key": 1}, timeout=120)
     assert len(stopped) == 1
@@ -349,7 +350,7 @@ def test_pid_alive() -> None:
     assert pid_alive(proc.pid) or proc.poll() is not None
     proc.wait()
     assert not pid_alive(proc.pid)
-    assert pid_alive(launch.os.getpid())
+    assert pid_alive(os.getpid())
 
 
 def test_sigterm_becomes_system_exit_during_a_run() -> None:
@@ -360,7 +361,7 @@ def test_sigterm_becomes_system_exit_during_a_run() -> None:
     restore = launch._exit_on_termination()
     try:
         with pytest.raises(SystemExit) as info:
-            launch.os.kill(launch.os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(100):  # the handler runs between bytecodes
                 launch.time.sleep(0.01)
         assert info.value.code == 128 + signal.SIGTERM

@@ -2,32 +2,28 @@
 run from the checkpoint its predecessor wrote after round 2 ends bit-exactly where 4 straight
 rounds end (a crash after round 2 leaves exactly that checkpoint behind).
 
-Real `flwr run` simulations on digits/cnn_small, CPU, 2 clients that train every round. Runs are
-independent except the resumes, so they go PARALLEL_RUNS at a time.
+Real `flwr run` simulations on digits/cnn_small, CPU, 2 clients that train every round, one after
+another on the session's engine (conftest.py ``flower_engine``).
 """
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedact_app.cli.launch import run_simulation
 
 # The module fixture's runs all happen in the first test's setup (see tests/test_e2e.py).
 pytestmark = pytest.mark.timeout(1800)
 APP_DIR = Path(__file__).resolve().parents[1]
-PARALLEL_RUNS = 3
 BASE = ("num_rounds=4 num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=3 batch_size=16 "
         "device=cpu checkpoint_every=1 keep_checkpoints=3")
 METHODS = ("fedact", "scaffold")
 
 
-def run(output: Path, overrides: str):
-    result = run_simulation(APP_DIR, overrides=f"{overrides} output_dir={output}", num_supernodes=2,
-                            timeout=300)
+def run(engine, output: Path, overrides: str):
+    result = engine.run(APP_DIR, overrides=f"{overrides} output_dir={output}", num_supernodes=2, timeout=300)
     assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
     (folder,) = list(output.iterdir())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -35,7 +31,7 @@ def run(output: Path, overrides: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, flower_engine) -> dict:
     """name -> (run folder, metrics rows): per method 4 straight rounds and a run resumed from the
     straight run's round-2 checkpoint; plus a FedACT run whose partition 1 raises in round 1."""
     base = tmp_path_factory.mktemp("resume")
@@ -43,11 +39,10 @@ def runs(tmp_path_factory) -> dict:
     # partition 1 raises in round 1 and min_train_nodes=1 lets the round aggregate partition 0 alone
     first["fault"] = ("algorithm=fedact num_clients=2 fraction_train=1.0 min_train_nodes=1 local_steps=3 "
                       "num_rounds=2 device=cpu debug.fail_partitions=[1] debug.fail_rounds=[1]")
-    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        done = dict(zip(first, pool.map(lambda name: run(base / name, first[name]), first)))
-        resumed = {f"{m}-resumed": f"algorithm={m} {BASE} resume={done[m][0]}/checkpoints/round-00002.safetensors"
-                   for m in METHODS}
-        done.update(zip(resumed, pool.map(lambda name: run(base / name, resumed[name]), resumed)))
+    done = {name: run(flower_engine, base / name, first[name]) for name in first}
+    resumed = {f"{m}-resumed": f"algorithm={m} {BASE} resume={done[m][0]}/checkpoints/round-00002.safetensors"
+               for m in METHODS}
+    done.update({name: run(flower_engine, base / name, resumed[name]) for name in resumed})
     return done
 
 

@@ -103,6 +103,7 @@ class LocalEngine:
         self._extra_env = dict(env or {})
         self.env: dict[str, str] = {}
         self.link: SimulationSuperLink | None = None
+        self.control: flwr.ControlClient | None = None
         self.ray: RayCluster | None = None
         self.pids: set[int] = set()  # every process the engine's SuperLinks and clusters had
         self._lock = threading.Lock()
@@ -135,6 +136,7 @@ class LocalEngine:
             self._stop_processes()
             raise
         flwr.write_connection(self.home, CONNECTION, f"127.0.0.1:{self.link.port}")
+        self.control = flwr.ControlClient(f"127.0.0.1:{self.link.port}")
 
     def close(self) -> tuple[int, ...]:
         """Stop the SuperLink, the Ray cluster and everything they spawned; all pids seen."""
@@ -182,7 +184,7 @@ class LocalEngine:
         timeout: float = 600.0,
         *,
         federation_config: Mapping[str, Any] | None = None,
-        poll_interval: float = 10.0,
+        poll_interval: float = 0.5,
     ) -> RunResult:
         """Submit one run of the Flower app in ``app_dir`` and wait for it (see
         :func:`fedact_app.cli.launch.run_simulation` for the parameters). LaunchError when the run
@@ -227,7 +229,8 @@ class LocalEngine:
             return f"the SuperLink exited (rc={link.proc.returncode}):\n{link.output_tail()}"
 
         run = flwr.follow_run(home, CONNECTION, run_id, home / f"run-{run_id}.log", deadline=deadline,
-                              poll_interval=poll_interval, env=self.env, superlink_gone=gone)
+                              poll_interval=poll_interval, env=self.env, superlink_gone=gone,
+                              status_of=self.control.run_status)
         if run.timed_out:
             self._stop_run(run_id)
         return RunResult(run_id=run_id, status=run.status, completed=run.status == "finished:completed",
@@ -242,7 +245,7 @@ class LocalEngine:
             pass
         until = time.monotonic() + STOP_WAIT
         while time.monotonic() < until:
-            if flwr.run_status(self.home, CONNECTION, run_id, env=self.env)[0].startswith("finished"):
+            if self.control.run_status(run_id)[0].startswith("finished"):
                 return
             time.sleep(1.0)
         with self._lock:

@@ -8,9 +8,10 @@
   JSON object of its ``--format json`` output;
 - :func:`toml_value`, :func:`toml_table` - run-config values as TOML (a run config is passed as a
   file, which sidesteps all shell/regex quoting of ``--run-config "k='v'"``);
-- :func:`submit_run` (``flwr run``), :func:`run_status` (``flwr ls --run-id``) and
-  :func:`follow_run`: ``flwr log --stream`` until the run finishes, with ``flwr ls`` as the source of
-  truth for its status (``flwr run --stream`` exits 0 even for a failed run).
+- :func:`submit_run` (``flwr run``), :func:`run_status` (``flwr ls --run-id``), :class:`ControlClient`
+  (the same status from this process) and :func:`follow_run`: ``flwr log --stream`` until the run
+  finishes, with the status as the source of truth (``flwr run --stream`` exits 0 even for a failed
+  run).
 """
 
 from __future__ import annotations
@@ -169,6 +170,34 @@ def run_status(home: Path, connection: str, run_id: int | str, *, env: Mapping[s
     return str(runs[0].get("status", "unknown")), str(runs[0].get("status-details", ""))
 
 
+class ControlClient:
+    """Flower's Control API of a local, insecure SuperLink, called from this process: a run's status
+    in milliseconds, where each ``flwr ls`` is a new Python process (about 1 CPU-second, taken from
+    the runs on a small machine). Flower 1.41's own client (``flwr.supercore.control``), as its CLI
+    uses it."""
+
+    def __init__(self, address: str) -> None:
+        from flwr.supercore.control import ControlHttpClient
+        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+        self._client = ControlHttpClient.from_server_address(
+            server_address=address, insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+
+    def run_status(self, run_id: int | str) -> tuple[str, str]:
+        """(status, status-details) as ``flwr ls`` gives them; ("unknown", why) when the call fails."""
+        from flwr.proto.control_pb2 import ListRunsRequest
+
+        try:
+            runs = self._client.ListRuns(ListRunsRequest(run_id=int(run_id))).run_dict
+        except Exception as err:  # noqa: BLE001 - any failure of the call reads as "not known yet"
+            return "unknown", f"{type(err).__name__}: {err}"[-500:]
+        if int(run_id) not in runs:
+            return "unknown", f"run {run_id} not listed"
+        status = runs[int(run_id)].status
+        return (f"{status.status}:{status.sub_status}" if status.sub_status else status.status), status.details
+
+
 @dataclass
 class FollowedRun:
     """What :func:`follow_run` saw: the last status ``flwr ls`` gave, its details (or why following
@@ -188,6 +217,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     home: Path, connection: str, run_id: int | str, log_path: Path, *, deadline: float,
     poll_interval: float, env: Mapping[str, str] | None = None,
     superlink_gone: Callable[[], str | None] = lambda: None, stream_stderr: int = subprocess.DEVNULL,
+    status_of: Callable[[int | str], tuple[str, str]] | None = None,
 ) -> FollowedRun:
     """Follow a run until it finishes or ``deadline`` (``time.monotonic()``) passes, its log going to
     ``log_path``.
@@ -198,8 +228,14 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     call costs about a CPU-second). A stream that ends before the run does (not started yet, a
     hiccup) is opened again; it replays the log from the start. ``superlink_gone()`` says why
     following is pointless (the SuperLink exited), None while it is not; ``stream_stderr`` is where
-    the stream's stderr goes (``subprocess.STDOUT``: into the log).
+    the stream's stderr goes (``subprocess.STDOUT``: into the log). ``status_of(run_id)`` gives the
+    status (default: ``flwr ls``, :func:`run_status`; a local engine passes
+    :meth:`ControlClient.run_status`, cheap enough to ask every ``poll_interval`` of a second).
     """
+    if status_of is None:
+        def status_of(run: int | str) -> tuple[str, str]:
+            return run_status(home, connection, run, env=env)
+
 
     def follow() -> subprocess.Popen[bytes]:
         with log_path.open("wb") as out:
@@ -218,7 +254,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
                 break
             ended = streamer.poll() is not None
             if ended or time.monotonic() >= next_poll:
-                status, details = run_status(home, connection, run_id, env=env)
+                status, details = status_of(run_id)
                 next_poll = time.monotonic() + poll_interval
                 if status.startswith("finished"):
                     break

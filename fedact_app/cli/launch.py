@@ -13,7 +13,8 @@ module avoids all of that:
 3. ``flwr run <app> fedact-launch --run-config <file.toml> --federation-config "..."
    --format json``;
 4. ``flwr log <run> fedact-launch --stream`` (Flower ends the stream when the run finishes), with
-   ``flwr ls fedact-launch --run-id <run> --format json`` as the source of truth for the status;
+   the SuperLink's Control API (``ListRuns``, what ``flwr ls`` shows) as the source of truth for
+   the status;
 5. in ``finally``: SIGTERM, then SIGKILL, for the SuperLink and every process it spawned
    (SuperExec, ``flwr-simulation``, the Ray cluster), also on errors, timeouts, Ctrl-C and
    SIGTERM (turned into ``SystemExit`` while a run is in progress, main thread only).
@@ -66,7 +67,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     *,
     federation_config: Mapping[str, Any] | None = None,
     cwd: str | Path | None = None,
-    poll_interval: float = 10.0,
+    poll_interval: float = 0.5,
 ) -> RunResult:
     """Run the Flower app in ``app_dir`` on a private simulation SuperLink and wait for it.
 
@@ -86,7 +87,8 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     federation_config: extra ``--federation-config`` keys, e.g. ``{"init-args-num-cpus": 2}``.
     cwd: working directory of the SuperLink and hence of the running app (default: the
         caller's). Apps should resolve their paths to absolute ones anyway.
-    poll_interval: seconds between ``flwr ls`` checks while the log stream is open.
+    poll_interval: seconds between two status checks while the log stream is open (in-process
+        calls of the Control API: cheap).
 
     Raises
     ------

@@ -1,0 +1,32 @@
+"""End to end: a run past its timeout on a shared engine is stopped and does not hold the next run.
+
+A sweep's jobs share one SuperLink and one Ray cluster (fedact_app.cli.engine.LocalEngine); a job
+that hangs must come back as timed out, and the job after it must run as if alone. That a job's
+metrics equal the same run launched alone is tests/test_reproducible_e2e.py's check.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedact_app.cli.engine import LocalEngine
+
+pytestmark = pytest.mark.timeout(600)
+APP_DIR = Path(__file__).resolve().parents[1]
+TINY = "num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=2 device=cpu"
+HANGS = f"{TINY} num_rounds=2 debug.fail_partitions=[0,1] debug.fail_rounds=[1] debug.hang_seconds=300"
+
+
+@pytest.mark.e2e
+def test_a_run_past_its_timeout_is_stopped_and_the_next_one_completes(tmp_path):
+    with LocalEngine() as engine:
+        hung = engine.run(APP_DIR, overrides=f"{HANGS} output_dir={tmp_path / 'hung'}", num_supernodes=2,
+                          timeout=25)
+        assert hung.timed_out and not hung.completed, hung
+        after = engine.run(APP_DIR, overrides=f"{TINY} num_rounds=1 output_dir={tmp_path / 'after'}",
+                           num_supernodes=2, timeout=300)
+        assert after.completed, f"{after.status} {after.details}\n{after.tail(60)}"
+    (folder,) = list((tmp_path / "after").iterdir())
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["round"] == 1 and rows[-1]["clients"] == 2  # both clients served, none held by the hung run
