@@ -6,8 +6,9 @@
 
 Three figures, measured in one go, each as a ratio to the plain loop measured in the same go:
 
-1. **Whole run**: ``python -m fedact_app.cli.launch`` as a user runs it (``run_simulation``: a fresh
-   SuperLink, Ray started inside the run, start to exit) against the plain loop as its own Python
+1. **Whole run**: what ``python -m fedact_app.cli.launch`` does, called in this process
+   (``run_simulation``: a fresh SuperLink, Ray started inside the run, start to return; the
+   launcher's own start, about 1.5 s of imports, is not in it) against the plain loop as its own Python
    process (spawn to exit: imports, data, model, every round, evaluation). The app run's wall time
    is split with its ``summary.json`` clocks: start-up (SuperLink, ``flwr run``, the simulation
    process, imports, task and model) until the run folder exists; the ServerApp's round 0

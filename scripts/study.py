@@ -182,9 +182,17 @@ def run_jobs(jobs_dir: Path, jobs: list[Job], launch: sweep.LaunchOptions, rerun
                   + (f": {row['error'].strip().splitlines()[-1][:300]}" if row.get("error", "").strip() else ""),
                   flush=True)
 
-    with launch.engine() as engine, ThreadPoolExecutor(launch.max_parallel) as pool:
-        for future in [pool.submit(one, index, engine) for index in range(len(jobs))]:
-            future.result()
+    with launch.engine() as engine:
+        if launch.max_parallel == 1:  # in this thread, so that Ctrl-C stops the study at once
+            for index in range(len(jobs)):
+                one(index, engine)
+            return rows
+        pool = ThreadPoolExecutor(launch.max_parallel)
+        try:
+            for future in [pool.submit(one, index, engine) for index in range(len(jobs))]:
+                future.result()
+        finally:  # on Ctrl-C or an error: no job that has not started yet starts
+            pool.shutdown(wait=True, cancel_futures=True)
     return rows
 
 

@@ -39,7 +39,6 @@ once; the progress lines come in the order the jobs finish.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
@@ -210,8 +209,8 @@ def main(cfg: DictConfig) -> None:
 
 def run_job(cfg: DictConfig, overrides: list[str], job_dir: Path, sweep_dir: Path, multirun: bool) -> None:
     """One combination on the sweep's engine, its ``result.json``, the summary and a progress line."""
-    with contextlib.nullcontext(ENGINE) if ENGINE is not None else LAUNCH.engine() as engine:
-        row = run_combination(cfg, overrides, job_dir, LAUNCH, engine)
+    assert ENGINE is not None, "the sweep's jobs run inside cli(), on its engine"
+    row = run_combination(cfg, overrides, job_dir, LAUNCH, ENGINE)
     (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
     with SUMMARY_LOCK:
         rows = write_summary(sweep_dir)

@@ -1,7 +1,8 @@
-"""End to end: a run past its timeout on a shared engine is stopped and does not hold the next run.
+"""End to end: a run past its timeout, or a dead process, on a shared engine does not hold the next run.
 
 A sweep's jobs share one SuperLink and one Ray cluster (fedact_app.cli.engine.LocalEngine); a job
-that hangs must come back as timed out, and the job after it must run as if alone. That a job's
+that hangs must come back as timed out, and the job after it must run as if alone, as must a job
+after the Ray cluster died. That a job's
 metrics equal the same run launched alone is tests/test_reproducible_e2e.py's check.
 """
 
@@ -19,14 +20,25 @@ HANGS = f"{TINY} num_rounds=2 debug.fail_partitions=[0,1] debug.fail_rounds=[1] 
 
 
 @pytest.mark.e2e
-def test_a_run_past_its_timeout_is_stopped_and_the_next_one_completes(tmp_path):
+def test_a_run_past_its_timeout_or_a_dead_process_restarts_the_engine_and_the_next_run_completes(tmp_path):
+    def completes(engine, name):
+        result = engine.run(APP_DIR, overrides=f"{TINY} num_rounds=1 output_dir={tmp_path / name}",
+                            num_supernodes=2, timeout=300)
+        assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
+        (folder,) = list((tmp_path / name).iterdir())
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["round"] == 1 and rows[-1]["clients"] == 2  # both clients served
+        return result
+
     with LocalEngine() as engine:
         hung = engine.run(APP_DIR, overrides=f"{HANGS} output_dir={tmp_path / 'hung'}", num_supernodes=2,
                           timeout=25)
         assert hung.timed_out and not hung.completed, hung
-        after = engine.run(APP_DIR, overrides=f"{TINY} num_rounds=1 output_dir={tmp_path / 'after'}",
-                           num_supernodes=2, timeout=300)
-        assert after.completed, f"{after.status} {after.details}\n{after.tail(60)}"
-    (folder,) = list((tmp_path / "after").iterdir())
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["round"] == 1 and rows[-1]["clients"] == 2  # both clients served, none held by the hung run
+        after = completes(engine, "after")
+        assert after.superlink_pid != hung.superlink_pid  # restarted: the hung run's actors are gone
+        address = engine.ray.address
+        engine.ray.proc.kill()  # the Ray cluster dies between two jobs
+        engine.ray.proc.wait()
+        revived = completes(engine, "revived")
+        assert engine.ray.address != address and revived.superlink_pid != after.superlink_pid
+    assert engine.link is None and engine.ray is None

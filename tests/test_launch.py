@@ -358,7 +358,7 @@ def test_sigterm_becomes_system_exit_during_a_run() -> None:
 
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         pytest.skip("SIGTERM already handled by the test runner")
-    restore = launch._exit_on_termination()
+    restore = engine.exit_on_termination()
     try:
         with pytest.raises(SystemExit) as info:
             os.kill(os.getpid(), signal.SIGTERM)

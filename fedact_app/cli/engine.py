@@ -8,16 +8,19 @@ of N jobs pays that N times. A :class:`LocalEngine` pays the SuperLink once and,
 ``RAY_ADDRESS`` in the SuperLink's environment makes every run's ``flwr-simulation`` attach to the
 engine's cluster (:mod:`.ray_cluster`). Each job stays its own Flower run (run id, log, status,
 run folder, seed); the engine only removes fixed costs, and a job's metrics are bit-identical to
-the same run on a fresh SuperLink (tests/test_engine_e2e.py).
+the same run on a fresh SuperLink (tests/test_reproducible_e2e.py).
 
 With ``max_parallel > 1`` several runs are in flight on the one SuperLink, and each run starts a
-Ray cluster of its own: Flower sizes a run's actor pool from the whole cluster's CPUs, so runs
-sharing one cluster would wait on each other's actors, past the round's and the identification's
-timeouts.
+Ray cluster of its own (``RAY_ADDRESS=local``): Flower sizes a run's actor pool from the whole
+cluster's CPUs, so runs sharing one cluster would wait on each other's actors, past the round's
+and the identification's timeouts. No run ever attaches to a cluster the engine did not start.
 
-A run that outlives its ``timeout`` is stopped (``flwr stop``); if it is still not finished after
-:data:`STOP_WAIT` seconds, the engine is restarted before its next run, so that a stuck run
-cannot slow or starve the next one.
+A run that outlives its ``timeout`` is stopped (the Control API's StopRun) and the engine is
+restarted before its next run, once no other run is in flight: Flower marks a stopped run finished
+at once, while its simulation process and actors may still be working, and a stuck run must not
+slow or starve the next one. A SuperLink or Ray cluster that died is restarted the same way.
+SIGTERM and SIGHUP raise SystemExit while the engine is open (main thread only), so that ``close``
+stops every process it started; a closed engine runs nothing more.
 
     with LocalEngine() as engine:
         for overrides in ("seed=0", "seed=1"):
@@ -31,7 +34,8 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+import signal
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +51,6 @@ BASE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",  # Flower's default 1.0 s is waited at every run's start
 }
-STOP_WAIT = 30.0  # seconds a stopped run has to finish before the engine is restarted
 
 
 @dataclass
@@ -67,6 +70,38 @@ class RunResult:
     def tail(self, lines: int = 40) -> str:
         """Last ``lines`` lines of the log."""
         return "\n".join(self.log.splitlines()[-lines:])
+
+
+def exit_on_termination() -> Callable[[], None]:
+    """Make SIGTERM/SIGHUP raise SystemExit (so ``finally`` blocks stop the engine's processes)
+    while an engine is open; return a function restoring the previous handlers.
+
+    Python's default for these signals kills the process without unwinding, which would leave the
+    SuperLink, flwr-simulation and the Ray cluster running (seen): they run in their own sessions.
+    Only handlers still at the default are replaced, and only in the main thread (Python allows no
+    other).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    raised = False
+
+    def handler(signum: int, _frame: Any) -> None:
+        nonlocal raised
+        if not raised:  # a repeated signal must not interrupt the clean-up itself
+            raised = True
+            raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
 
 
 class LocalEngine:
@@ -109,14 +144,20 @@ class LocalEngine:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._restart = False
+        self._closed = False
+        self._restore_signals: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ life cycle
 
     def __enter__(self) -> LocalEngine:
+        self._restore_signals = exit_on_termination()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            self._restore_signals()
 
     def start(self, deadline: float | None = None) -> None:
         """Start the shared Ray cluster (if any) and the SuperLink; LaunchError if either fails."""
@@ -124,22 +165,24 @@ class LocalEngine:
         if self.home is None:
             self.home = Path(tempfile.mkdtemp(prefix="fedact-flwr-")).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home)}
-        env.pop("RAY_ADDRESS", None)  # never a cluster the user's environment happens to name
+        # never a cluster the user's environment names or Ray finds on its own (/tmp/ray): the
+        # engine's, or with "local" a new one per run
+        env = {**os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home), "RAY_ADDRESS": "local"}
         try:
             if self.shared_ray:
                 self.ray = RayCluster.start(self.num_cpus, self.num_gpus, env)
                 env["RAY_ADDRESS"] = self.ray.address
             self.env = env
             self.link = SimulationSuperLink.start(self.home, env, self.cwd, deadline)
+            flwr.write_connection(self.home, CONNECTION, f"127.0.0.1:{self.link.port}")
+            self.control = flwr.ControlClient(f"127.0.0.1:{self.link.port}")
         except BaseException:
             self._stop_processes()
             raise
-        flwr.write_connection(self.home, CONNECTION, f"127.0.0.1:{self.link.port}")
-        self.control = flwr.ControlClient(f"127.0.0.1:{self.link.port}")
 
     def close(self) -> tuple[int, ...]:
         """Stop the SuperLink, the Ray cluster and everything they spawned; all pids seen."""
+        self._closed = True
         self._stop_processes()
         if self._own_home and self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
@@ -147,6 +190,9 @@ class LocalEngine:
         return tuple(sorted(self.pids))
 
     def _stop_processes(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
         if self.link is not None:
             self.pids |= set(self.link.stop())
             self.link = None
@@ -154,18 +200,24 @@ class LocalEngine:
             self.pids |= set(self.ray.stop())
             self.ray = None
 
+    def _healthy(self) -> bool:
+        return (self.link is not None and self.link.proc.poll() is None
+                and (self.ray is None or self.ray.alive()) and not self._restart)
+
     def _claim(self) -> None:
         """Count one more run in flight; start the engine first if it is not running, or restart it
-        after a run that would not stop (then only once no other run is in flight)."""
+        after a run past its timeout or when a process of it died (then only once no other run is
+        in flight)."""
         while True:
             with self._lock:
-                if self.link is not None and not self._restart:
+                if self._closed:
+                    raise LaunchError("the engine is closed")
+                if self._healthy():
                     self._in_flight += 1
                     return
                 if not self._in_flight:
-                    if self._restart:
-                        self._stop_processes()
-                        self._restart = False
+                    self._stop_processes()
+                    self._restart = False
                     self.start()
                     self._in_flight += 1
                     return
@@ -197,10 +249,14 @@ class LocalEngine:
             raise ValueError("num_supernodes must be >= 1")
         if float(num_cpus_per_client) != int(num_cpus_per_client) or int(num_cpus_per_client) < 1:
             raise ValueError("num_cpus_per_client must be a positive integer (Flower's proto is int)")
+        if self.shared_ray and (sized := sorted(k for k in federation_config or {} if k.startswith("init-args-num-"))):
+            raise ValueError(f"{', '.join(sized)}: a run attached to the engine's shared Ray cluster cannot size "
+                             "it (Ray refuses num_cpus/num_gpus when connecting); give the cluster's size to "
+                             "LocalEngine(num_cpus=..., num_gpus=...), or use shared_ray=False")
         self._claim()
         try:
             return self._run(app_path, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
-                             run_config, t0 + timeout, federation_config, poll_interval, t0)
+                             run_config, time.monotonic() + timeout, federation_config, poll_interval, t0)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -238,15 +294,7 @@ class LocalEngine:
                          timed_out=run.timed_out, superlink_pid=link.pid)
 
     def _stop_run(self, run_id: int) -> None:
-        """``flwr stop`` a run past its timeout; restart the engine before the next run if it goes on."""
-        try:
-            flwr.run_flwr(self.home, ["stop", str(run_id), CONNECTION], env=self.env)
-        except Exception:  # noqa: BLE001, S110 - a stop that fails is handled like one that does not stop
-            pass
-        until = time.monotonic() + STOP_WAIT
-        while time.monotonic() < until:
-            if self.control.run_status(run_id)[0].startswith("finished"):
-                return
-            time.sleep(1.0)
+        """Stop a run past its timeout, and restart the engine before the next run (see above)."""
+        self.control.stop_run(run_id)
         with self._lock:
             self._restart = True

@@ -184,6 +184,19 @@ class ControlClient:
             server_address=address, insecure=True, root_certificates=None,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
 
+    def stop_run(self, run_id: int | str) -> None:
+        """Ask the SuperLink to stop a run (``flwr stop``); a failure is ignored (the caller goes on
+        as if the run had not stopped)."""
+        from flwr.proto.control_pb2 import StopRunRequest
+
+        try:
+            self._client.StopRun(StopRunRequest(run_id=int(run_id)))
+        except Exception:  # noqa: BLE001, S110 - see above
+            pass
+
+    def close(self) -> None:
+        self._client.close()
+
     def run_status(self, run_id: int | str) -> tuple[str, str]:
         """(status, status-details) as ``flwr ls`` gives them; ("unknown", why) when the call fails."""
         from flwr.proto.control_pb2 import ListRunsRequest
@@ -200,7 +213,7 @@ class ControlClient:
 
 @dataclass
 class FollowedRun:
-    """What :func:`follow_run` saw: the last status ``flwr ls`` gave, its details (or why following
+    """What :func:`follow_run` saw: the last status it was given, its details (or why following
     stopped), the run's log (colours stripped) and whether the deadline passed first."""
 
     status: str
@@ -223,19 +236,17 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     ``log_path``.
 
     The ``flwr log --stream`` process ends by itself once the run is finished (the server closes the
-    stream), so it is both the log collector and the cheap "maybe finished" signal; ``flwr ls`` is
-    asked when the stream ends and every ``poll_interval`` seconds as a safety net (each ``flwr``
-    call costs about a CPU-second). A stream that ends before the run does (not started yet, a
+    stream), so it is both the log collector and the cheap "maybe finished" signal; the status is
+    asked when the stream ends and every ``poll_interval`` seconds as a safety net. A stream that ends before the run does (not started yet, a
     hiccup) is opened again; it replays the log from the start. ``superlink_gone()`` says why
     following is pointless (the SuperLink exited), None while it is not; ``stream_stderr`` is where
     the stream's stderr goes (``subprocess.STDOUT``: into the log). ``status_of(run_id)`` gives the
-    status (default: ``flwr ls``, :func:`run_status`; a local engine passes
-    :meth:`ControlClient.run_status`, cheap enough to ask every ``poll_interval`` of a second).
+    status (default: :func:`run_status`, a ``flwr ls`` process, about a CPU-second each; a local
+    engine passes :meth:`ControlClient.run_status`, cheap enough to ask every half second).
     """
     if status_of is None:
         def status_of(run: int | str) -> tuple[str, str]:
             return run_status(home, connection, run, env=env)
-
 
     def follow() -> subprocess.Popen[bytes]:
         with log_path.open("wb") as out:

@@ -36,11 +36,9 @@ Command line (exit code 0 only when the run finished with sub-status ``completed
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,54 +94,13 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     """
     t0 = time.monotonic()
     engine = LocalEngine(shared_ray=False, env=env, cwd=cwd, flwr_home=flwr_home)
-    restore = _exit_on_termination()
-    try:
-        engine.start(deadline=t0 + timeout)
+    with engine:  # checks the arguments, then starts the SuperLink; stops it on the way out
         result = engine.run(app_dir, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
-                            run_config, timeout - (time.monotonic() - t0),
-                            federation_config=federation_config, poll_interval=poll_interval)
-    finally:
-        try:
-            pids = engine.close()
-        finally:
-            restore()
-    result.pids = pids
+                            run_config, timeout, federation_config=federation_config,
+                            poll_interval=poll_interval)
+    result.pids = tuple(sorted(engine.pids))
     result.seconds = time.monotonic() - t0
     return result
-
-
-# --------------------------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------------------------
-def _exit_on_termination() -> Callable[[], None]:
-    """Make SIGTERM/SIGHUP raise SystemExit (so ``finally`` stops the SuperLink) while a run is
-    in progress; return a function restoring the previous handlers.
-
-    Python's default for these signals kills the process without unwinding, which would leave the
-    SuperLink, flwr-simulation and the Ray cluster running (seen). Only handlers still at the
-    default are replaced, and only in the main thread (Python allows no other).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    raised = False
-
-    def handler(signum: int, _frame: Any) -> None:
-        nonlocal raised
-        if not raised:  # a repeated signal must not interrupt the clean-up itself
-            raised = True
-            raise SystemExit(128 + signum)
-
-    previous = {}
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
-            previous[sig] = signal.signal(sig, handler)
-
-    def restore() -> None:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-    return restore
 
 
 # --------------------------------------------------------------------------------------------

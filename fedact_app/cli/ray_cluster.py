@@ -5,8 +5,8 @@ process: with ``RAY_ADDRESS`` in its environment it attaches to that cluster (ab
 it it starts and stops a cluster of its own (about 5 s on a 2-core machine). This module starts one
 head with ``ray start --head --block`` on loopback and free ports, in a fresh temporary directory,
 so that only the runs given its :attr:`RayCluster.address` use it: a cluster left by another
-program, or ``RAY_ADDRESS`` in the user's environment, is never picked up (the engine replaces
-that variable). Stopping the ``--block`` process stops the cluster; its process tree is stopped too.
+program, or ``RAY_ADDRESS`` in the user's environment, is never picked up (the engine sets that
+variable itself). Stopping the ``--block`` process stops the cluster; its process tree is stopped too.
 """
 
 from __future__ import annotations
@@ -53,9 +53,13 @@ class RayCluster:
             "--num-cpus", str(int(num_cpus)),
         ] + ([] if num_gpus is None else ["--num-gpus", str(num_gpus)])  # fmt: skip
         run_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
-        with (temp_dir / "head.out").open("wb") as out:
-            proc = subprocess.Popen(cmd, env=run_env, stdin=subprocess.DEVNULL, stdout=out,  # noqa: S603
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            with (temp_dir / "head.out").open("wb") as out:
+                proc = subprocess.Popen(cmd, env=run_env, stdin=subprocess.DEVNULL, stdout=out,  # noqa: S603
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
         cluster = cls(proc, f"127.0.0.1:{port}", temp_dir)
         try:
             cluster._wait_ready(time.monotonic() + STARTUP_TIMEOUT)
