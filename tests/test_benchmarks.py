@@ -35,6 +35,18 @@ def test_bench_round_quick_prints_the_split_and_the_ratio():
     assert re.search(r"^ratio Flower / plain loop: \d+\.\d+$", out, re.M), out
 
 
+@pytest.mark.e2e
+def test_bench_run_quick_prints_the_three_ratios_and_one_accuracy():
+    out = run_script("bench_run.py", "--quick", timeout=600)
+    for row in ("1. app run alone", "2. app rounds 1..R, summed", "3. sweep job on one engine"):
+        assert re.search(rf"^{re.escape(row)}.* \d+\.\d\dx$", out, re.M), (row, out)
+    for row in ("start-up until the run folder", "round 1 (Ray, actors, identification)",
+                "shutdown after the final model", "fixed cost per job"):
+        assert row in out, (row, out)
+    # the plain loop and the app compute the same run: one final accuracy for both
+    assert re.search(r"^final test accuracy, plain loop and app runs \(one seed\): \[0\.\d+\]$", out, re.M), out
+
+
 def test_bench_diagnostics_quick_prints_the_ratio_to_diagnostics_off():
     out = run_script("bench_diagnostics.py", "--quick", timeout=180)
     assert re.search(r"^off \(trust_every=0\) +\d+\.\d+ +1\.000$", out, re.M), out
