@@ -46,10 +46,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = compose(str(context.run_config.get("overrides", "")))
-    resume = open_resume(cfg)
+def initial_model(cfg: Config) -> tuple[Task, torch.nn.Module, TensorDict, list[str]]:
+    """The run's task (its data checked), its model with the seed's initial weights, the shared
+    entries of that model (x^0, copies) and the names of the trainable parameters."""
     task = build_task(cfg)
     task.check_data()
     seed_everything(cfg.seed)
@@ -57,6 +56,14 @@ def main(grid: Grid, context: Context) -> None:
     full_state = model.state_dict()
     initial_state = {name: full_state[name].detach().clone() for name in task.shared_names(model)}
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    return task, model, initial_state, trainable
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = compose(str(context.run_config.get("overrides", "")))
+    resume = open_resume(cfg)
+    task, model, initial_state, trainable = initial_model(cfg)
     log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
     if ALGORITHMS[cfg.algorithm.name].samples_trust_scores and cfg.local_steps < cfg.diagnostics.trust_every:

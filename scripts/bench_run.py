@@ -19,8 +19,8 @@ Three figures, measured in one go, each as a ratio to the plain loop measured in
    SuperLink, one Ray cluster); each job's wall time, and its fixed cost (wall time minus the plain
    loop's whole run), for the jobs after the first.
 
-The plain loop uses the app's own pieces (``build_task``, ``ClientTrainer``, the method's server
-rule, ``sample_clients``, ``CentralEvaluator``), clients one after another in one process with the
+The plain loop uses the app's own pieces (the ServerApp's ``initial_model`` and
+``CentralEvaluator``, ``ClientTrainer``, the method's server rule, ``sample_clients``), clients one after another in one process with the
 machine's torch threads; the app runs its clients in Ray actors of one CPU each. The repeats are
 interleaved (plain, app, plain, app, ...); figures are medians with the range over repeats.
 """
@@ -61,18 +61,11 @@ def plain_run(overrides: str) -> dict:
     from fedact_app.client_trainer import ClientTrainer
     from fedact_app.config import compose
     from fedact_app.sampling import sample_clients, sample_count
-    from fedact_app.server_app import CentralEvaluator, seed_everything
-    from fedact_app.tasks.base import build_task
+    from fedact_app.server_app import CentralEvaluator, initial_model
     from fedact_app.train import cosine_lr
 
     cfg = compose(overrides)
-    task = build_task(cfg)
-    task.check_data()
-    seed_everything(cfg.seed)
-    model = task.build_model()
-    state = model.state_dict()
-    x = {name: state[name].detach().clone() for name in task.shared_names(model)}
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    task, model, x, trainable = initial_model(cfg)
     a = cfg.algorithm
     rule = ALGORITHMS[a.name].server(a, trainable, num_clients=cfg.num_clients)
     evaluator = CentralEvaluator(cfg, task, model)
