@@ -116,7 +116,7 @@ def run_record(output: Path) -> dict:
     return {"rounds": [r["seconds"] for r in rows if r["round"] >= 1], "summary": summary}
 
 
-def app_alone(overrides: str, output: Path) -> dict:
+def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
     """One launcher run, as ``python -m fedact_app.cli.launch`` makes it; its wall time split."""
     from fedact_app.cli.launch import run_simulation
     from fedact_app.config import compose
@@ -124,7 +124,7 @@ def app_alone(overrides: str, output: Path) -> dict:
     cfg = compose(overrides)
     begun = time.time()
     result = run_simulation(APP_DIR, overrides=f"{overrides} output_dir={output}".strip(),
-                            num_supernodes=cfg.num_clients, timeout=3600, env=ENV)
+                            num_supernodes=cfg.num_clients, num_cpus_per_client=num_cpus, timeout=3600, env=ENV)
     ended = time.time()
     if not result.completed:
         raise RuntimeError(f"the app run did not complete: {result.status} {result.details}\n{result.tail()}")
@@ -136,7 +136,7 @@ def app_alone(overrides: str, output: Path) -> dict:
             "final_test_accuracy": summary["final_test_accuracy"]}
 
 
-def sweep_jobs(overrides: str, jobs: int, base: Path) -> list[dict]:
+def sweep_jobs(overrides: str, jobs: int, base: Path, num_cpus: int) -> list[dict]:
     """``jobs`` runs (seeds 1..jobs) on one engine; each job's wall time and record."""
     from fedact_app.cli.engine import LocalEngine
     from fedact_app.config import compose
@@ -147,7 +147,7 @@ def sweep_jobs(overrides: str, jobs: int, base: Path) -> list[dict]:
         for seed in range(1, jobs + 1):
             output = base / f"job-{seed}"
             result = engine.run(APP_DIR, overrides=f"{overrides} seed={seed} output_dir={output}".strip(),
-                                num_supernodes=cfg.num_clients, timeout=3600)
+                                num_supernodes=cfg.num_clients, num_cpus_per_client=num_cpus, timeout=3600)
             if not result.completed:
                 raise RuntimeError(f"sweep job {seed} did not complete: {result.status}\n{result.tail()}")
             found.append({**run_record(output), "wall": result.seconds})
@@ -170,13 +170,15 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}"
 
 
-def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], jobs: list[dict]) -> str:
+def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], jobs: list[dict],
+           num_cpus: int) -> str:
     import torch
 
     med = statistics.median
     plain_rounds = [sum(p["rounds"]) for p in plain]
     lines = [f"bench_run: setting {setting!r} ({overrides or 'the config defaults'})",
-             f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads",
+             f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads in the "
+             f"plain loop, {num_cpus} CPU(s) per simulated client",
              f"{len(plain)} repeats, interleaved; median [min-max] in seconds", "",
              f"{'':44} {'seconds':>22} {'/ plain':>8}",
              f"{'plain loop, whole process':44} {spread([p['wall'] for p in plain]):>22}",
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overrides", default="", help="more Hydra overrides for every run")
     parser.add_argument("--repeats", type=int, default=2, help="plain/app pairs, interleaved")
     parser.add_argument("--jobs", type=int, default=3, help="sweep jobs on one engine (0: none)")
+    parser.add_argument("--num-cpus", type=int, default=1,
+                        help="CPUs per simulated client (default 1, the launcher's; one Ray actor each)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 1 repeat, 2 jobs (a smoke run)")
     parser.add_argument("--plain-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -235,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         base = Path(tmp)
         for repeat in range(args.repeats):
             plain.append(plain_process(overrides))
-            alone.append(app_alone(overrides, base / f"alone-{repeat}"))
-        jobs = sweep_jobs(overrides, args.jobs, base) if args.jobs else []
-    print(report(args.setting, overrides, plain, alone, jobs))
+            alone.append(app_alone(overrides, base / f"alone-{repeat}", args.num_cpus))
+        jobs = sweep_jobs(overrides, args.jobs, base, args.num_cpus) if args.jobs else []
+    print(report(args.setting, overrides, plain, alone, jobs, args.num_cpus))
     return 0
 
 
