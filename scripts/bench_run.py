@@ -21,7 +21,7 @@ Three figures, measured in one go, each as a ratio to the plain loop measured in
 
 The plain loop uses the app's own pieces (the ServerApp's ``initial_model`` and
 ``CentralEvaluator``, ``ClientTrainer``, the method's server rule, ``sample_clients``), clients one after another in one process with the
-machine's torch threads; the app runs its clients in Ray actors of one CPU each. The repeats are
+machine's torch threads; the app runs its clients in Ray actors of ``--num-cpus`` CPUs each (default 1). The repeats are
 interleaved (plain, app, plain, app, ...); figures are medians with the range over repeats.
 """
 

@@ -159,7 +159,7 @@ def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, engine: sweep
                "error": f"{type(err).__name__}: {err}", "seconds": 0.0}
     else:
         row = sweep.run_combination(cfg, list(job.overrides), job_dir, launch, engine)
-    (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
+    sweep._write_atomic(job_dir / "result.json", json.dumps(row, indent=2) + "\n")
     with sweep.SUMMARY_LOCK:
         sweep.write_summary(jobs_dir)
     return {**row, "skipped": False}
@@ -191,7 +191,10 @@ def run_jobs(jobs_dir: Path, jobs: list[Job], launch: sweep.LaunchOptions, rerun
         try:
             for future in [pool.submit(one, index, engine) for index in range(len(jobs))]:
                 future.result()
-        finally:  # on Ctrl-C or an error: no job that has not started yet starts
+        except BaseException:  # Ctrl-C, SIGTERM: stop the runs in flight, start no other job
+            engine.close()
+            raise
+        finally:
             pool.shutdown(wait=True, cancel_futures=True)
     return rows
 

@@ -29,8 +29,8 @@ The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
 After each job the script prints ``[sweep] <done>/<total> job <n>: <status> (<overrides>)``: the
 jobs finished so far and the number of combinations. ``status`` is ``completed``, ``failed`` (the
 run did not finish as completed; ``error`` has the reason), ``timed out``, ``invalid config`` or
-``launch error``. The summary is rebuilt from the jobs' ``result.json`` after every job, so it is
-complete also with a parallel Hydra launcher. With the default launcher the script exits 1 when any
+``launch error``. The summary is rebuilt from the jobs' ``result.json`` after every job. The jobs need this
+script's engine: run them in parallel with ``--max-parallel``, not with a Hydra launcher plugin. With the default launcher the script exits 1 when any
 combination did not complete. The app's ``output_dir`` is set to the job folder by the sweep. With
 ``--max-parallel N`` Hydra still composes the jobs one after another, and up to N of them run at
 once; the progress lines come in the order the jobs finish.
@@ -211,7 +211,7 @@ def run_job(cfg: DictConfig, overrides: list[str], job_dir: Path, sweep_dir: Pat
     """One combination on the sweep's engine, its ``result.json``, the summary and a progress line."""
     assert ENGINE is not None, "the sweep's jobs run inside cli(), on its engine"
     row = run_combination(cfg, overrides, job_dir, LAUNCH, ENGINE)
-    (job_dir / "result.json").write_text(json.dumps(row, indent=2) + "\n")
+    _write_atomic(job_dir / "result.json", json.dumps(row, indent=2) + "\n")  # write_summary may read it now
     with SUMMARY_LOCK:
         rows = write_summary(sweep_dir)
         done, total = (len(rows), sweep_size(sweep_dir)) if multirun else (1, 1)
@@ -231,6 +231,9 @@ def cli(argv: list[str]) -> int:
             main()
             for future in PENDING:
                 future.result()
+        except BaseException:  # Ctrl-C, SIGTERM: stop the runs in flight first, then their threads return
+            ENGINE.close()
+            raise
         finally:
             if POOL is not None:
                 POOL.shutdown(wait=True, cancel_futures=True)

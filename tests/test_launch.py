@@ -356,15 +356,17 @@ def test_pid_alive() -> None:
 def test_sigterm_becomes_system_exit_during_a_run() -> None:
     import signal
 
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        pytest.skip("SIGTERM already handled by the test runner")
-    restore = engine.exit_on_termination()
+    session_handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the session's engine set one
     try:
-        with pytest.raises(SystemExit) as info:
-            os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(100):  # the handler runs between bytecodes
-                launch.time.sleep(0.01)
-        assert info.value.code == 128 + signal.SIGTERM
+        restore = engine.exit_on_termination()
+        try:
+            with pytest.raises(SystemExit) as info:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(100):  # the handler runs between bytecodes
+                    launch.time.sleep(0.01)
+            assert info.value.code == 128 + signal.SIGTERM
+        finally:
+            restore()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
-        restore()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        signal.signal(signal.SIGTERM, session_handler)

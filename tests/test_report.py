@@ -325,10 +325,10 @@ def test_plot_script_runs_as_a_command(sweep_dir, tmp_path):
 def test_sweep_prints_done_over_total_including_a_presets_grid(tmp_path, monkeypatch, capsys, fake_engine):
     """experiment=ablation_local sweeps algorithm x model x alpha; the command line pins the
     algorithm, so 2 x 2 = 4 combinations (the launcher is faked)."""
-    def fake_run_simulation(app_dir, overrides, num_supernodes, **kwargs):
+    def fake_run(app_dir, overrides, num_supernodes, **kwargs):
         return RunResult(run_id=1, status="finished:completed", completed=True, log="", seconds=0.0)
 
-    fake_engine(fake_run_simulation)
+    fake_engine(fake_run)
     monkeypatch.setattr(sweep, "SWEEP_DIRS", set())
     assert sweep.cli(["-m", "experiment=ablation_local", "algorithm=fedact", f"hydra.sweep.dir={tmp_path}",
                       "hydra/job_logging=none", "hydra/hydra_logging=none"]) == 0

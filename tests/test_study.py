@@ -61,7 +61,7 @@ def test_jobs_cover_settings_methods_and_seeds_with_each_methods_tuned_overrides
 def test_a_completed_job_is_skipped_and_a_failed_one_runs_again(tmp_path, fake_engine):
     calls = []
 
-    def fake_run_simulation(app_dir, overrides, num_supernodes, **kwargs):
+    def fake_run(app_dir, overrides, num_supernodes, **kwargs):
         calls.append(overrides)
         out = Path(overrides.split("output_dir=")[1])
         run_dir = out / f"20260101-00000{len(calls)}_fedact_digits_cnn_small_dir0.6_s0"
@@ -73,7 +73,7 @@ def test_a_completed_job_is_skipped_and_a_failed_one_runs_again(tmp_path, fake_e
         return RunResult(run_id=len(calls), status="finished:completed" if completed else "finished:failed",
                          completed=completed, log="", seconds=1.0)
 
-    engine = fake_engine(fake_run_simulation)
+    engine = fake_engine(fake_run)
     job = study.study_jobs(["fedact"], [0], [], ["num_rounds=1"])[0]
     launch = study.sweep.LaunchOptions()
     assert study.run_job(tmp_path, job, launch, engine)["status"] == "failed"

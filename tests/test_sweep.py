@@ -55,14 +55,14 @@ def test_a_failed_flower_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
     ])
     seen = []
 
-    def fake_run_simulation(app_dir, overrides, num_supernodes, **kwargs):
+    def fake_run(app_dir, overrides, num_supernodes, **kwargs):
         seen.append((overrides, num_supernodes, kwargs))
         outcome = next(outcomes)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
-    fake_engine(fake_run_simulation)
+    fake_engine(fake_run)
     monkeypatch.setattr(sweep, "SWEEP_DIRS", set())
     code = sweep.cli(["-m", "seed=1,2,3,4", *TINY, "output_dir=/elsewhere", "--num-gpus", "0.5",
                       f"hydra.sweep.dir={tmp_path}",
@@ -83,11 +83,11 @@ def test_max_parallel_has_the_jobs_in_flight_at_once(tmp_path, monkeypatch, fake
     breaks after 20 s, one at a time), and both rows land in the summary."""
     both_in_flight = threading.Barrier(2, timeout=20)
 
-    def fake_run_simulation(app_dir, overrides, num_supernodes, **kwargs):
+    def fake_run(app_dir, overrides, num_supernodes, **kwargs):
         both_in_flight.wait()
         return RunResult(run_id=1, status="finished:completed", completed=True, log="", seconds=1.0)
 
-    fake_engine(fake_run_simulation)
+    fake_engine(fake_run)
     monkeypatch.setattr(sweep, "SWEEP_DIRS", set())
     code = sweep.cli(["-m", "seed=1,2", *TINY, "--max-parallel", "2", f"hydra.sweep.dir={tmp_path}",
                       "hydra/job_logging=none", "hydra/hydra_logging=none"])

@@ -2,8 +2,10 @@
 (nothing under ``fedact_app`` outside this package imports it).
 
 - :mod:`.launch` - ``python3 -m fedact_app.cli.launch``: the app on a private simulation SuperLink.
-- :mod:`.flwr` - the ``flwr`` CLI as both the launcher and ``scripts/deploy/local_cluster.py`` drive
-  it: its console scripts, a ``FLWR_HOME`` with one connection, run configs as TOML, its JSON
-  answers, submitting a run and following it to the end.
+- :mod:`.engine` - one private SuperLink (:mod:`.superlink`) and, for runs one at a time, one Ray
+  cluster (:mod:`.ray_cluster`) serving many runs: the launcher's one run, a sweep's, a study's.
+- :mod:`.flwr` - the ``flwr`` CLI and the Control API as the engine and
+  ``scripts/deploy/local_cluster.py`` drive them: console scripts, a ``FLWR_HOME`` with one
+  connection, run configs as TOML, JSON answers, submitting a run and following it to the end.
 - :mod:`.procs` - process trees (``/proc``): what is alive, what a process spawned, signals.
 """

@@ -45,6 +45,7 @@ from fedact_app.cli.flwr import LaunchError
 from fedact_app.cli.ray_cluster import RayCluster
 from fedact_app.cli.superlink import SimulationSuperLink
 
+STARTUP_TIMEOUT = 120.0  # seconds for the Ray cluster and the SuperLink to start
 CONNECTION = "fedact-launch"  # name of the only connection in the engine's config.toml
 BASE_ENV = {
     **flwr.BASE_ENV,
@@ -61,7 +62,8 @@ class RunResult:
     status: str  # as `flwr ls` reports it: "finished:completed", "finished:failed", "running", ...
     completed: bool  # True only for "finished:completed"
     log: str  # the run's log (ServerApp + simulation output), ANSI colours stripped
-    seconds: float  # wall time of the run, from submission to its end (a lone run: start and stop included)
+    seconds: float  # wall time of engine.run (an engine's start included when the run started it;
+    # run_simulation: the whole call, the SuperLink's stop included)
     details: str = ""  # `flwr ls` "status-details", e.g. "Simulation failed with exception: ..."
     timed_out: bool = False  # the run had not finished when `timeout` ran out
     superlink_pid: int = 0
@@ -159,9 +161,10 @@ class LocalEngine:
         finally:
             self._restore_signals()
 
-    def start(self, deadline: float | None = None) -> None:
-        """Start the shared Ray cluster (if any) and the SuperLink; LaunchError if either fails."""
-        deadline = time.monotonic() + 120.0 if deadline is None else deadline
+    def _start(self) -> None:
+        """Start the shared Ray cluster (if any) and the SuperLink; LaunchError if either fails.
+        Called by :meth:`_claim` only, under the lock, with no process of the engine running."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT
         if self.home is None:
             self.home = Path(tempfile.mkdtemp(prefix="fedact-flwr-")).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
@@ -182,8 +185,9 @@ class LocalEngine:
 
     def close(self) -> tuple[int, ...]:
         """Stop the SuperLink, the Ray cluster and everything they spawned; all pids seen."""
-        self._closed = True
-        self._stop_processes()
+        with self._lock:  # not while a run starts the engine: it would start what nothing stops
+            self._closed = True
+            self._stop_processes()
         if self._own_home and self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
@@ -201,6 +205,9 @@ class LocalEngine:
             self.ray = None
 
     def _healthy(self) -> bool:
+        for process in (self.link, self.ray):
+            if process is not None:
+                process.remember_children()
         return (self.link is not None and self.link.proc.poll() is None
                 and (self.ray is None or self.ray.alive()) and not self._restart)
 
@@ -218,7 +225,7 @@ class LocalEngine:
                 if not self._in_flight:
                     self._stop_processes()
                     self._restart = False
-                    self.start()
+                    self._start()
                     self._in_flight += 1
                     return
             time.sleep(0.5)
@@ -295,6 +302,7 @@ class LocalEngine:
 
     def _stop_run(self, run_id: int) -> None:
         """Stop a run past its timeout, and restart the engine before the next run (see above)."""
-        self.control.stop_run(run_id)
         with self._lock:
+            if self.control is not None:  # (None: the engine was closed meanwhile)
+                self.control.stop_run(run_id)
             self._restart = True

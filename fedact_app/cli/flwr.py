@@ -1,5 +1,5 @@
-"""The ``flwr`` CLI, driven the one way both the launcher (:mod:`.launch`) and
-``scripts/deploy/local_cluster.py`` need it.
+"""The ``flwr`` CLI and the Control API, driven the one way both the local engine (:mod:`.engine`)
+and ``scripts/deploy/local_cluster.py`` need them.
 
 - :func:`console_script`, :func:`free_port` - Flower's console scripts, a free loopback port;
 - :func:`write_connection` - a ``FLWR_HOME/config.toml`` holding one connection, also the default

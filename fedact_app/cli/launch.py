@@ -79,7 +79,8 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
         client-resources-num-gpus=...``). Flower's proto field for CPUs is an integer.
         ClientApps see no GPU unless ``num_gpus_per_client > 0``.
     run_config: further run-config keys (must exist in ``[tool.flwr.app.config]``).
-    timeout: seconds for the whole call; an unfinished run is reported with ``timed_out=True``.
+    timeout: seconds for the run once the SuperLink is up (its start has a limit of its own,
+        ``engine.STARTUP_TIMEOUT``); an unfinished run is reported with ``timed_out=True``.
     flwr_home: FLWR_HOME to use (kept afterwards); default: a temporary one, deleted afterwards.
     env: extra environment for the flwr CLI and the SuperLink (and so the ServerApp/ClientApps).
     federation_config: extra ``--federation-config`` keys, e.g. ``{"init-args-num-cpus": 2}``.
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LaunchError, ValueError) as err:
         print(f"launch error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the SuperLink was already stopped by run_simulation's finally
+    except KeyboardInterrupt:  # the SuperLink was already stopped on the way out of the engine
         print("interrupted", file=sys.stderr)
         return 130
     except SystemExit as err:  # SIGTERM/SIGHUP, after the same clean-up

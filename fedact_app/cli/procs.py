@@ -61,11 +61,11 @@ def stop_tree(proc: subprocess.Popen, seen: set[int], grace: float) -> tuple[int
     """Stop ``proc`` and every process it spawned; return all pids seen (``seen`` is updated).
 
     Daemons started under ``proc`` may live in their own process groups and outlive it. So:
-    snapshot the tree, SIGTERM ``proc`` (SIGKILL after ``grace`` seconds), then SIGTERM and
+    snapshot the tree (``seen`` may already hold processes noted earlier), SIGTERM ``proc`` (SIGKILL after ``grace`` seconds), then SIGTERM and
     finally SIGKILL whatever of the tree, and of the tree's process groups, is left.
     """
-    seen |= descendants(proc.pid)
-    if proc.poll() is None:
+    if proc.poll() is None:  # (the pid of a process that has exited may be reused)
+        seen |= descendants(proc.pid)
         proc.terminate()
         try:
             proc.wait(timeout=grace)

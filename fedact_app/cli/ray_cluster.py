@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedact_app.cli.flwr import LaunchError, console_script, free_port
-from fedact_app.cli.procs import stop_tree
+from fedact_app.cli.procs import descendants, stop_tree
 
 STARTUP_TIMEOUT = 60.0  # seconds for the head to accept connections
 STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
@@ -82,6 +82,11 @@ class RayCluster:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def remember_children(self) -> None:
+        """Note its processes so far (GCS, raylet, workers), to stop them even after the head died."""
+        if self.alive():
+            self.seen |= descendants(self.proc.pid)
 
     def stop(self) -> tuple[int, ...]:
         """Stop the cluster and its processes; remove its temporary directory."""

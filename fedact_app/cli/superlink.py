@@ -1,4 +1,4 @@
-"""A private simulation SuperLink process for :mod:`.launch`: started on a free loopback port
+"""A private simulation SuperLink process for :mod:`.engine`: started on a free loopback port
 (``flower-superlink --insecure --simulation --disable-runtime-dependency-installation``; in Flower
 1.41 the Control, Runtime (ServerAppIo) and Fleet APIs are all served over HTTP on that single
 ``--host/--port``), ready once it answers ``/health``, and stopped with everything it spawned."""
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedact_app.cli.flwr import LaunchError, console_script, free_port, strip_ansi
-from fedact_app.cli.procs import stop_tree
+from fedact_app.cli.procs import descendants, stop_tree
 
 STARTUP_TIMEOUT = 60.0  # seconds for the SuperLink to answer /health
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
@@ -89,6 +89,11 @@ class SimulationSuperLink:
         out = self.log_file.with_suffix(".out")
         text = out.read_text(encoding="utf-8", errors="replace") if out.exists() else ""
         return strip_ansi(text)[-chars:]
+
+    def remember_children(self) -> None:
+        """Note the processes it spawned so far, so that they can be stopped even after it died."""
+        if self.proc.poll() is None:
+            self.seen |= descendants(self.pid)
 
     def stop(self) -> tuple[int, ...]:
         """Stop the SuperLink and everything it spawned; return all pids seen.
