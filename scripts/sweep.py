@@ -119,7 +119,7 @@ def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path, launch
     except Exception as err:  # ConfigError and anything else the schema checks raise
         return done("invalid config", f"{type(err).__name__}: {err}")
     run_overrides = [o for o in overrides if not o.startswith("output_dir=")]
-    run_overrides.append(f"output_dir={job_dir}")
+    run_overrides.append(f"output_dir={hydra_quoted(str(job_dir))}")
     try:
         result = engine.run(APP_DIR, overrides=" ".join(shlex.quote(o) for o in run_overrides),
                             num_supernodes=config.num_clients, num_cpus_per_client=launch.num_cpus,
@@ -136,6 +136,12 @@ def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path, launch
         return done("completed")
     reason = result.details or result.tail(20)
     return done("timed out" if result.timed_out else "failed", f"{result.status}: {reason}")
+
+
+def hydra_quoted(value: str) -> str:
+    """``value`` as a quoted Hydra override value: a job folder may hold ``=`` (study.py names one
+    ``fedavg_partition.alpha=0.6_s0_<hash>``), which Hydra's grammar refuses unquoted."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 # ------------------------------------------------------------------ the folder's summary

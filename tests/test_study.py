@@ -15,6 +15,7 @@ sys.path.insert(0, str(APP_DIR / "scripts"))
 import study  # noqa: E402
 
 from fedact_app.cli.launch import RunResult  # noqa: E402
+from fedact_app.config import compose  # noqa: E402
 
 SAMPLES = [[0, 3], [1, 2], [2, 4]]  # rounds 1..3
 
@@ -63,7 +64,7 @@ def test_a_completed_job_is_skipped_and_a_failed_one_runs_again(tmp_path, fake_e
 
     def fake_run(app_dir, overrides, num_supernodes, **kwargs):
         calls.append(overrides)
-        out = Path(overrides.split("output_dir=")[1])
+        out = Path(compose(overrides).output_dir)
         run_dir = out / f"20260101-00000{len(calls)}_fedact_digits_cnn_small_dir0.6_s0"
         run_dir.mkdir(parents=True)
         completed = len(calls) != 1  # the first launch fails

@@ -14,6 +14,7 @@ sys.path.insert(0, str(APP_DIR / "scripts"))
 import sweep  # noqa: E402
 
 from fedact_app.cli.launch import RunResult  # noqa: E402
+from fedact_app.config import compose  # noqa: E402
 
 TINY = ["num_rounds=1", "num_clients=2", "min_train_nodes=2", "fraction_train=1.0", "local_steps=2"]
 
@@ -73,7 +74,7 @@ def test_a_failed_flower_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
     assert "DatasetUnavailableError" in rows[0]["error"] and "superlink" in rows[2]["error"]
     overrides, supernodes, kwargs = seen[0]
     assert supernodes == 2 and kwargs["num_gpus_per_client"] == 0.5
-    assert f"output_dir={tmp_path / '0'}" in overrides and "/elsewhere" not in overrides
+    assert compose(overrides).output_dir == str(tmp_path / "0") and "/elsewhere" not in overrides
     assert (tmp_path / "0" / "flower.log").read_text() == "boom"
     assert "4 runs, 1 completed, 3 not" in (tmp_path / "summary.md").read_text()
 
@@ -104,3 +105,22 @@ def test_launch_options_are_split_from_hydra_arguments():
     assert rest == ["-m", "a=1,2"]
     assert sweep.with_default_dirs(["hydra.sweep.dir=x"]) == ["hydra.sweep.dir=x",
                                                                f"hydra.run.dir={sweep.DEFAULT_DIR}"]
+
+
+def test_a_job_folder_with_equals_signs_reaches_the_run_as_its_output_dir(tmp_path, fake_engine, monkeypatch):
+    """study.py names a --grid job ``<method>_partition.alpha=0.6_s<seed>_<hash>``: the run must get
+    that folder as output_dir, not a Hydra grammar error (every such job failed before)."""
+    seen = []
+
+    def fake_run(app_dir, overrides, num_supernodes, **kwargs):
+        seen.append(overrides)
+        return RunResult(run_id=1, status="finished:completed", completed=True, log="", seconds=1.0)
+
+    engine = fake_engine(fake_run)
+    job_dir = tmp_path / "fedavg_partition.alpha=0.6_s0_0123abcd"
+    job_dir.mkdir()
+    monkeypatch.setattr(sweep, "to_config", lambda cfg: compose(" ".join(TINY)))  # not what this test is about
+    row = sweep.run_combination(sweep.OmegaConf.create({}), [*TINY, "partition.alpha=0.6"], job_dir,
+                                sweep.LaunchOptions(), engine)
+    assert row["status"] == "completed", row
+    assert compose(seen[0]).output_dir == str(job_dir)
