@@ -43,20 +43,23 @@ FONT_SIZE = 11
 FORMATS = ("png", "pdf")
 
 
-def method_colors() -> dict[str, str]:
-    """A fixed colour per method, the same in every figure."""
-    palette = plt.get_cmap("tab10").colors
-    return {name: matplotlib.colors.to_hex(palette[i % len(palette)])
-            for i, name in enumerate(METHODS.values())}
+def figure_colors(labels: list[str]) -> dict[str, str]:
+    """A colour per line: a method's fixed colour (the same in every figure); a variant such as
+    "FedACT (scale_matched=True)" takes the first palette colour no other line of the figure has."""
+    palette = [matplotlib.colors.to_hex(c) for c in plt.get_cmap("tab10").colors]
+    fixed = {name: palette[i % len(palette)] for i, name in enumerate(METHODS.values())}
+    colors = {label: fixed[label] for label in labels if label in fixed}
+    spare = (c for c in palette + palette if c not in colors.values())
+    return {label: colors[label] if label in colors else next(spare) for label in labels}
 
 
 def draw_figure(setting: Setting, metric: str, by_method: dict[str, Curve], stem: Path) -> list[Path]:
     """One figure: a line (and a ±std band where there are several seeds) per method; written as
     ``stem.png`` and ``stem.pdf``."""
-    colors = method_colors()
+    colors = figure_colors(list(by_method))
     fig, ax = plt.subplots(figsize=(5.5, 4.0))
     for method, curve in by_method.items():
-        color = colors.get(method)
+        color = colors[method]
         label = method if curve.seeds == 1 else f"{method} ({curve.seeds} seeds)"
         ax.plot(curve.rounds, curve.mean, label=label, color=color, linewidth=1.6)
         if curve.seeds > 1:

@@ -345,3 +345,12 @@ def test_a_null_final_value_reads_as_nan_not_as_an_earlier_round():
                      hyperparameters=())
     assert math.isnan(run.value("test_loss", "final"))
     assert list(run.series("test_loss")) == [0, 1, 2]
+
+
+def test_a_methods_variants_get_colours_no_other_line_of_the_figure_has():
+    """FedAvg keeps its fixed colour; FedACT's two variants (not names in the fixed map) took
+    matplotlib's default cycle before, and one came out in FedAvg's blue."""
+    labels = ["FedAvg", "FedAdamW", "FedACT (scale_matched=False)", "FedACT (scale_matched=True)"]
+    colors = plot.figure_colors(labels)
+    assert len(set(colors.values())) == len(labels)
+    assert colors["FedAvg"] == plot.figure_colors(["FedAvg"])["FedAvg"]
