@@ -16,13 +16,18 @@ Search space: ``algorithm.lr`` log-uniform, for methods with a local Adam in [3e
 SGD family in [3e-3, 1] (the seed's grids widened; ``--lr-range`` sets one range for all);
 for methods whose trust modulation is on (fedact, fedact_local): ``algorithm.tau`` uniform in
 [0.1, 1], ``algorithm.gamma`` uniform in [0, 1] and ``algorithm.scale_matched`` in {false, true}.
+With ``--lr-grid N`` only ``algorithm.lr`` is searched, on N log-spaced values over the range (the
+ends included; one enqueued trial per value) and the trust settings keep their
+config values: the seed's own protocol, and the budget choice when a few trials must do.
 A run that failed (the model diverged) scores 0; a trial whose run could not be launched or timed
 out is told FAIL. With ``--storage`` (e.g. ``sqlite:///tuning/optuna.db``) the studies persist and a
 second call adds trials until each method has ``--trials`` finished ones; the jobs' folders under
 ``<out>/jobs`` are reused the same way as the study's.
 
 ``<out>/tuned.yaml``: per method its best trial's overrides, score and trial count, and the
-tuning seeds (scripts/study.py refuses a study on any of them).
+tuning seeds (scripts/study.py refuses a study on any of them). Methods an earlier call wrote there
+with the same seeds and objective are kept, so the SGD and the Adam families can be tuned by two
+calls (each with its own ``--lr-range``) into one file.
 """
 
 from __future__ import annotations
@@ -73,11 +78,21 @@ def default_lr_range(method: str) -> tuple[float, float]:
     return ADAM_LR_RANGE if "betas" in ALGORITHMS[method].uses else SGD_LR_RANGE
 
 
-def suggest(trial: optuna.Trial, method: str, lr_range: tuple[float, float] | None = None) -> list[str]:
-    """The trial's Hydra overrides for ``method`` (see the module docstring for the space)."""
+def lr_grid(lr_range: tuple[float, float], points: int) -> list[float]:
+    """``points`` log-spaced learning rates from ``lr_range[0]`` to ``lr_range[1]``, both included."""
+    low, high = lr_range
+    if points < 2 or not 0 < low < high:
+        raise ValueError(f"an lr grid needs at least 2 points over 0 < low < high, got {points} over {lr_range}")
+    return [float(f"{low * (high / low) ** (i / (points - 1)):.6g}") for i in range(points)]
+
+
+def suggest(trial: optuna.Trial, method: str, lr_range: tuple[float, float] | None = None,
+            lr_only: bool = False) -> list[str]:
+    """The trial's Hydra overrides for ``method`` (see the module docstring for the space);
+    ``lr_only``: the lr alone, the trust settings left at their config values."""
     lr_range = lr_range or default_lr_range(method)
     overrides = [f"algorithm.lr={trial.suggest_float('lr', *lr_range, log=True)!r}"]
-    if tunes_trust(method):
+    if tunes_trust(method) and not lr_only:
         overrides += [f"algorithm.tau={trial.suggest_float('tau', *TAU_RANGE)!r}",
                       f"algorithm.gamma={trial.suggest_float('gamma', *GAMMA_RANGE)!r}",
                       f"algorithm.scale_matched={str(trial.suggest_categorical('scale_matched', [False, True])).lower()}"]
@@ -86,15 +101,21 @@ def suggest(trial: optuna.Trial, method: str, lr_range: tuple[float, float] | No
 
 def tune_method(method: str, objective: Objective, trials: int, storage: str | None = None,
                 study_name: str | None = None, sampler_seed: int = 0,
-                lr_range: tuple[float, float] | None = None) -> optuna.Study:
+                lr_range: tuple[float, float] | None = None, grid_points: int | None = None) -> optuna.Study:
     """Ask/tell until the method's study has ``trials`` finished trials (a persisted study is
-    continued); returns the study."""
+    continued); returns the study. ``grid_points``: the lr alone on that many log-spaced values
+    (enqueued trials), one trial each, so ``trials`` is the number of points."""
     study = optuna.create_study(direction="maximize", storage=storage, study_name=study_name or method,
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=sampler_seed))
+    if grid_points is not None:  # enqueued trials, as GridSampler stops a study only inside optimize()
+        grid = lr_grid(lr_range or default_lr_range(method), grid_points)
+        for lr in grid:
+            study.enqueue_trial({"lr": lr}, skip_if_exists=True)
+        trials = len(grid)
     while len(finished := study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
                                                                    optuna.trial.TrialState.FAIL))) < trials:
         trial = study.ask()
-        overrides = suggest(trial, method, lr_range)
+        overrides = suggest(trial, method, lr_range, lr_only=grid_points is not None)
         trial.set_user_attr("overrides", overrides)
         try:
             value = objective(method, overrides, trial.number)
@@ -149,14 +170,19 @@ def run_score(job_dir: Path, row: dict, kind: str) -> float:
 
 
 def write_tuned(path: Path, studies: dict[str, optuna.Study], seeds: Sequence[int], objective: str) -> None:
-    """``tuned.yaml``: what scripts/study.py --tuned reads (methods -> overrides, seeds) and the scores."""
-    tuned = {
-        "objective": objective,
-        "seeds": list(seeds),
-        "methods": {method: best_overrides(s) for method, s in studies.items()},
-        "scores": {method: round(float(s.best_value), 6) for method, s in studies.items()},
-        "trials": {method: len(s.trials) for method, s in studies.items()},
-    }
+    """``tuned.yaml``: what scripts/study.py --tuned reads (methods -> overrides, seeds) and the scores.
+    The other methods of an existing file with the same seeds and objective are kept; a file with
+    other seeds or another objective is replaced (its methods were tuned for another question)."""
+    tuned = {"objective": objective, "seeds": list(seeds), "methods": {}, "scores": {}, "trials": {}}
+    if path.exists():
+        earlier = yaml.safe_load(path.read_text()) or {}
+        if earlier.get("objective") == objective and earlier.get("seeds") == list(seeds):
+            for key in ("methods", "scores", "trials"):
+                tuned[key].update(earlier.get(key) or {})
+    for method, s in studies.items():
+        tuned["methods"][method] = best_overrides(s)
+        tuned["scores"][method] = round(float(s.best_value), 6)
+        tuned["trials"][method] = len(s.trials)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# written by scripts/tune.py; use with scripts/study.py run --tuned\n"
                     + yaml.safe_dump(tuned, sort_keys=False))
@@ -176,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help=f"lr range of every method (default: {ADAM_LR_RANGE} for local-Adam methods, "
                              f"{SGD_LR_RANGE} for the SGD family)")
+    parser.add_argument("--lr-grid", type=int, default=None, metavar="N",
+                        help="search the lr alone on N log-spaced values over the range, one trial each "
+                             "(--trials is then N); the trust settings keep their config values")
     parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///tuning/optuna.db")
     parser.add_argument("--study-name", default="fedact-tune", help="prefix of the Optuna study names")
     parser.add_argument("--sampler-seed", type=int, default=0)
@@ -184,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=86400.0, help="seconds per run")
     args = parser.parse_args(argv)
     seeds = study_script.parse_seeds(args.seeds)
+    lr_range = tuple(args.lr_range) if args.lr_range else None
+    if args.lr_grid is not None:
+        try:
+            for method in args.methods:
+                lr_grid(lr_range or default_lr_range(method), args.lr_grid)
+        except ValueError as err:
+            print(f"error: --lr-grid {args.lr_grid}: {err}", file=sys.stderr)
+            return 2
     launch = study_script.sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout)
     with launch.engine() as engine:
         try:
@@ -195,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         studies = {}
         for method in args.methods:
             studies[method] = tune_method(method, objective, args.trials, args.storage,
-                                          f"{args.study_name}-{method}", args.sampler_seed,
-                                          tuple(args.lr_range) if args.lr_range else None)
+                                          f"{args.study_name}-{method}", args.sampler_seed, lr_range,
+                                          args.lr_grid)
     if failed := [m for m, s in studies.items() if not any(t.value is not None for t in s.trials)]:
         print(f"error: no trial of {', '.join(failed)} finished: see {args.out / 'jobs' / 'summary.md'}",
               file=sys.stderr)

@@ -97,3 +97,29 @@ def test_a_run_is_scored_on_val_accuracy_only(tmp_path):
         tune.run_score(tmp_path / "d", {"job": "d", "status": "timed out"}, "final")
     with pytest.raises(ValueError, match="validation split"):
         tune.flower_objective(tmp_path, [], [1000], 0.0, study.sweep.LaunchOptions(), engine=None)
+
+
+def test_an_lr_grid_runs_each_log_spaced_value_once_and_leaves_the_trust_settings_alone():
+    assert tune.lr_grid((2.5e-4, 4e-3), 5) == [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3]
+    with pytest.raises(ValueError, match="at least 2 points"):
+        tune.lr_grid((1e-3, 1e-3), 3)
+    calls = []
+    result = tune.tune_method("fedact", stub_objective(calls), trials=99, lr_range=(2.5e-4, 4e-3), grid_points=5)
+    assert len(calls) == 5 and len(result.trials) == 5  # the grid's size, not --trials
+    assert sorted(float(o[0].split("=")[1]) for _, o, _ in calls) == [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3]
+    assert all(len(overrides) == 1 for _, overrides, _ in calls)  # no tau/gamma/scale_matched
+    assert tune.best_overrides(result) == ["algorithm.lr=0.001"]
+    assert tune.main(["--out", "unused", "--methods", "fedavg", "--lr-grid", "1"]) == 2
+
+
+def test_a_second_call_adds_its_methods_to_the_tuned_file_unless_the_question_changed(tmp_path):
+    path = tmp_path / "tuned.yaml"
+    fedact = tune.tune_method("fedact", stub_objective([]), trials=2, lr_range=(5e-4, 2e-3), grid_points=3)
+    fedavg = tune.tune_method("fedavg", stub_objective([]), trials=2, lr_range=(1e-2, 1.0), grid_points=3)
+    tune.write_tuned(path, {"fedact": fedact}, [1000, 1001], "final val")
+    tune.write_tuned(path, {"fedavg": fedavg}, [1000, 1001], "final val")
+    tuned = study.read_tuned(path)
+    assert tuned["methods"] == {"fedact": ["algorithm.lr=0.001"], "fedavg": ["algorithm.lr=0.01"]}
+    assert tuned["trials"] == {"fedact": 3, "fedavg": 3}
+    tune.write_tuned(path, {"fedavg": fedavg}, [7], "final val")  # other seeds: another question
+    assert list(study.read_tuned(path)["methods"]) == ["fedavg"]
