@@ -17,7 +17,9 @@ Three figures, measured in one go, each as a ratio to the plain loop measured in
    the plain loop's, summed, and the median round of each.
 3. **Sweep jobs**: N runs (seeds 1..N) on one :class:`fedact_app.cli.engine.LocalEngine` (one
    SuperLink, one Ray cluster); each job's wall time, and its fixed cost (wall time minus the plain
-   loop's whole run), for the jobs after the first.
+   loop's whole run), for the jobs after the first. With ``--max-parallel P`` the same jobs run
+   again P at a time (``scripts/sweep.py --max-parallel``: each run its own Ray cluster), and the
+   two sweeps' wall times per job are compared.
 
 The plain loop uses the app's own pieces (the ServerApp's ``initial_model`` and
 ``CentralEvaluator``, ``ClientTrainer``, the method's server rule, ``sample_clients``), clients one after another in one process with the
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1]
@@ -136,22 +139,27 @@ def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
             "final_test_accuracy": summary["final_test_accuracy"]}
 
 
-def sweep_jobs(overrides: str, jobs: int, base: Path, num_cpus: int) -> list[dict]:
-    """``jobs`` runs (seeds 1..jobs) on one engine; each job's wall time and record."""
+def sweep_jobs(overrides: str, jobs: int, base: Path, num_cpus: int, max_parallel: int = 1) -> tuple[list[dict], float]:
+    """``jobs`` runs (seeds 1..jobs) on one engine, ``max_parallel`` in flight at a time (as
+    ``scripts/sweep.py --max-parallel`` runs them); each job's wall time and record, and the
+    sweep's wall time from the first job's start to the last one's end."""
     from fedact_app.cli.engine import LocalEngine
     from fedact_app.config import compose
 
     cfg = compose(overrides)
-    found = []
-    with LocalEngine(env=ENV) as engine:
-        for seed in range(1, jobs + 1):
-            output = base / f"job-{seed}"
+    with LocalEngine(env=ENV, max_parallel=max_parallel) as engine:
+        def job(seed: int) -> dict:
+            output = base / f"job-p{max_parallel}-{seed}"
             result = engine.run(APP_DIR, overrides=f"{overrides} seed={seed} output_dir={output}".strip(),
                                 num_supernodes=cfg.num_clients, num_cpus_per_client=num_cpus, timeout=3600)
             if not result.completed:
                 raise RuntimeError(f"sweep job {seed} did not complete: {result.status}\n{result.tail()}")
-            found.append({**run_record(output), "wall": result.seconds})
-    return found
+            return {**run_record(output), "wall": result.seconds}
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_parallel) as pool:
+            found = list(pool.map(job, range(1, jobs + 1)))
+        return found, time.monotonic() - started
 
 
 # ------------------------------------------------------------------ report
@@ -171,7 +179,8 @@ def machine() -> str:
 
 
 def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], jobs: list[dict],
-           num_cpus: int) -> str:
+           num_cpus: int, sweeps: dict[int, float] | None = None) -> str:
+    """The table; ``sweeps``: the sweep's wall time per --max-parallel value (1 and the asked one)."""
     import torch
 
     med = statistics.median
@@ -207,6 +216,11 @@ def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], j
         lines.append(f"{'   first job (starts SuperLink and Ray)':44} {jobs[0]['wall']:>22.1f}")
         lines.append(f"{'   fixed cost per job (wall - plain run)':44} {spread(fixed):>22}")
         lines.append(f"{'   its rounds 1..R':44} {spread([sum(j['rounds']) for j in later]):>22}")
+    if sweeps and len(sweeps) > 1:
+        sequential = sweeps[1]
+        for parallel, wall in sorted(sweeps.items()):
+            lines.append(f"{f'   {len(jobs)} jobs, --max-parallel {parallel}: per job':44} {wall / len(jobs):>22.1f} "
+                         f"{wall / sequential:>7.2f}x of --max-parallel 1")
     accuracy = {round(p["final_test_accuracy"], 4) for p in plain} | {round(a["final_test_accuracy"], 4) for a in alone}
     lines += ["", f"final test accuracy, plain loop and app runs (one seed): {sorted(accuracy)}"]
     return "\n".join(lines)
@@ -220,11 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overrides", default="", help="more Hydra overrides for every run")
     parser.add_argument("--repeats", type=int, default=2, help="plain/app pairs, interleaved")
     parser.add_argument("--jobs", type=int, default=3, help="sweep jobs on one engine (0: none)")
+    parser.add_argument("--max-parallel", type=int, default=1,
+                        help="also run the sweep jobs this many at a time (each run its own Ray cluster) and "
+                             "compare the sweep's wall time with one at a time")
     parser.add_argument("--num-cpus", type=int, default=1,
                         help="CPUs per simulated client (default 1, the launcher's; one Ray actor each)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 1 repeat, 2 jobs (a smoke run)")
     parser.add_argument("--plain-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.max_parallel < 1:
+        parser.error(f"--max-parallel must be >= 1, got {args.max_parallel}")
     if args.plain_child is not None:
         print(json.dumps(plain_run(args.plain_child)))
         return 0
@@ -240,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             plain.append(plain_process(overrides))
             alone.append(app_alone(overrides, base / f"alone-{repeat}", args.num_cpus))
-        jobs = sweep_jobs(overrides, args.jobs, base, args.num_cpus) if args.jobs else []
-    print(report(args.setting, overrides, plain, alone, jobs, args.num_cpus))
+        jobs, sweeps = [], {}
+        if args.jobs:
+            jobs, sweeps[1] = sweep_jobs(overrides, args.jobs, base, args.num_cpus)
+            if args.max_parallel > 1:
+                _, sweeps[args.max_parallel] = sweep_jobs(overrides, args.jobs, base, args.num_cpus, args.max_parallel)
+    print(report(args.setting, overrides, plain, alone, jobs, args.num_cpus, sweeps))
     return 0
 
 

@@ -59,3 +59,19 @@ def test_bench_cold_start_prints_every_phase_with_and_without_the_partition_cach
         assert re.search(rf"^{phase} +\d+\.\d+ +\d+\.\d+$", out, re.M), (phase, out)
     assert re.search(r"^cold round \(imports to reply\): \d+\.\d+ s with an empty cache, \d+\.\d+ s with it "
                      r"filled; warm round \d+\.\d+ s$", out, re.M), out
+
+
+def test_bench_run_reports_the_parallel_sweep_per_job_against_one_at_a_time():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_run
+
+    plain = [{"wall": 10.0, "rounds": [1.0, 1.0], "final_test_accuracy": 0.5}]
+    alone = [{"wall": 20.0, "rounds": [3.0, 1.5], "startup": 5.0, "round0": 0.5, "shutdown": 2.0,
+              "final_test_accuracy": 0.5}]
+    jobs = [{"wall": 18.0, "rounds": [2.0, 1.0]}, {"wall": 16.0, "rounds": [2.0, 1.0]}]
+    out = bench_run.report("digits", "", plain, alone, jobs, 1, {1: 34.0, 2: 25.5})
+    assert re.search(r"2 jobs, --max-parallel 1: per job +17\.0 +1\.00x of --max-parallel 1$", out, re.M), out
+    assert re.search(r"2 jobs, --max-parallel 2: per job +12\.8 +0\.75x of --max-parallel 1$", out, re.M), out
+    assert re.search(r"fixed cost per job \(wall - plain run\) +6\.0$", out, re.M), out
+    with pytest.raises(SystemExit):
+        bench_run.main(["--max-parallel", "0"])
