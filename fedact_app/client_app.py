@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from logging import WARNING
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -21,6 +18,7 @@ from fedact_app.checkpoint import persist_client_state, restored_client_state
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import Config, compose
 from fedact_app.finite import describe_names, non_finite
+from fedact_app.node_slot import node_slot
 from fedact_app.registry import FILE_DATASETS
 from fedact_app.sampling import CLIENT_NAME, IDENTITY_RECORD, PARTITION_ID
 from fedact_app.wire import array_record
@@ -196,27 +194,6 @@ def message_deadline(msg: Message, round_timeout: float) -> float:
     return msg.metadata.created_at + min(msg.metadata.ttl, round_timeout)
 
 
-@contextlib.contextmanager
-def node_slot(msg: Message) -> Iterator[bool]:
-    """Hold this node's one-message-at-a-time slot; yields False when another message of this node
-    and run holds it. A SuperNode in a deployment works on one message at a time, but Flower's
-    simulation engine hands a node's next message to any free actor while its earlier one still
-    runs, so a hung node would take one more actor every round until the others' messages queue
-    behind it (an OS file lock: the actors are processes; released when its holder exits)."""
-    path = os.path.join(tempfile.gettempdir(),
-                        f"fedact-node-{msg.metadata.run_id}-{msg.metadata.dst_node_id}.lock")
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # also releases the lock
-
-
 def handle(msg: Message, context: Context, work: Callable[[Message, Context], RecordDict]) -> Message:
     """``work``'s reply, or an error reply without any work when the server no longer waits for one
     (the message queued past its deadline behind other nodes' work) or this node is still busy with
@@ -225,7 +202,7 @@ def handle(msg: Message, context: Context, work: Callable[[Message, Context], Re
     if (late := time.time() - message_deadline(msg, round_timeout)) > 0:
         return Message(Error(SKIPPED, f"skipped: the message reached the node {late:.1f} s after its "
                                       f"deadline (round_timeout={round_timeout:g} s)"), reply_to=msg)
-    with node_slot(msg) as free:
+    with node_slot(msg.metadata.run_id, msg.metadata.dst_node_id) as free:
         if not free:
             return Message(Error(SKIPPED, "skipped: the node is still working on an earlier message"),
                            reply_to=msg)

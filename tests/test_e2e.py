@@ -103,6 +103,18 @@ def test_every_method_completes_a_digits_run(algorithm, job, record_property):
 
 
 @pytest.mark.e2e
+@pytest.mark.job("fedact")
+def test_a_run_leaves_no_lock_files_behind(job, runs):
+    """One lock file per simulated node and run (fedact_app.node_slot), removed by the ServerApp at
+    the run's end; a sweep of hundreds of runs used to leave thousands in the temporary directory."""
+    from fedact_app.node_slot import locks_root, run_locks
+
+    run_id = runs["fedact"][1].run_id
+    assert not run_locks(run_id).exists()
+    assert not list(locks_root().parent.glob(f"fedact-node-{run_id}-*.lock"))  # where they were
+
+
+@pytest.mark.e2e
 @pytest.mark.job("fedact-learns")
 def test_fedact_run_learns(job):
     _, rows = job

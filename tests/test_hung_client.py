@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
-from fedact_app.client_app import handle, node_slot
+from fedact_app.client_app import handle
+from fedact_app.node_slot import locks_root, node_slot, remove_run_locks, run_locks
 
 pytestmark = pytest.mark.timeout(600)
 APP_DIR = Path(__file__).resolve().parents[1]
@@ -54,9 +55,22 @@ def test_a_message_past_its_deadline_or_for_a_busy_node_gets_an_error_reply_with
     reply = handle(message(time.time() - 12, ttl=10), context, lambda msg, ctx: work.append(1) or RecordDict())
     assert reply.has_error() and not work  # ttl < round_timeout: the message's own deadline
     fresh = message(time.time())
-    with node_slot(fresh) as free:  # an earlier message of node 7 still runs
+    with node_slot(1, 7) as free:  # an earlier message of node 7 still runs
         assert free
         reply = handle(fresh, context, lambda msg, ctx: work.append(1) or RecordDict())
     assert reply.has_error() and "still working" in reply.error.reason and not work
     reply = handle(fresh, context, lambda msg, ctx: work.append(1) or RecordDict())
     assert not reply.has_error() and work == [1]
+
+
+def test_a_node_slot_is_a_lock_file_in_its_runs_folder_which_the_run_end_removes():
+    run_id = time.time_ns()  # a run of its own
+    with node_slot(run_id, 3) as free:
+        assert free and (run_locks(run_id) / "3.lock").is_file() and run_locks(run_id).parent == locks_root()
+        with node_slot(run_id, 3) as again, node_slot(run_id, 4) as other:
+            assert not again and other  # node 3 is busy, node 4 is not
+    with node_slot(run_id, 3) as free:  # released on leaving
+        assert free
+    remove_run_locks(run_id)
+    assert not run_locks(run_id).exists()
+    remove_run_locks(run_id)  # a run without lock files (a deployment's ServerApp machine): nothing to do
