@@ -14,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedact_app.algorithms import ALGORITHMS, TensorDict
 from fedact_app.checkpoint import Checkpointer, client_round_config, open_resume, restore, snapshot
 from fedact_app.config import Config, compose
-from fedact_app.node_slot import remove_run_locks
+from fedact_app.node_slot import remove_run_locks, remove_stale_locks
 from fedact_app.results import RunRecorder, create_run_dir
 from fedact_app.strategy import AlgorithmStrategy
 from fedact_app.tasks.base import Task, build_task
@@ -95,6 +95,7 @@ def main(grid: Grid, context: Context) -> None:
             path = checkpointer.write(snapshot(strategy, server_round, recorder.rows, cfg))
             log(INFO, "Checkpoint: %s", path)
 
+    remove_stale_locks()
     try:
         final_state = strategy.run(grid, cfg.num_rounds, cfg.round_timeout, evaluate_fn=evaluator,
                                    on_round_end=recorder.record_round,

@@ -10,6 +10,9 @@ on their own.
 """
 
 import json
+import os
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from fedact_app.client_app import handle
-from fedact_app.node_slot import locks_root, node_slot, remove_run_locks, run_locks
+from fedact_app.node_slot import STALE_AFTER, node_slot, remove_run_locks, remove_stale_locks, run_locks
 
 pytestmark = pytest.mark.timeout(600)
 APP_DIR = Path(__file__).resolve().parents[1]
@@ -31,6 +34,7 @@ def test_a_hung_client_does_not_hold_the_others(tmp_path, flower_engine):
     result = flower_engine.run(APP_DIR, overrides=f"{HUNG} output_dir={tmp_path}", num_supernodes=5, timeout=300)
     assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
     (folder,) = list(tmp_path.iterdir())
+    assert not run_locks(result.run_id).exists()  # removed with the hung node's lock still held
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     # round 1 may also lose replies to the actors' cold start; by round 2 the 4 others reply in
@@ -40,13 +44,20 @@ def test_a_hung_client_does_not_hold_the_others(tmp_path, flower_engine):
         assert row["failed"] + row["missing"] == 1, row
 
 
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch) -> Path:
+    """The lock files go to this test's folder, not the machine's temporary directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
 def message(created_at: float, ttl: float = 43200.0) -> Message:
     metadata = Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=7, reply_to_message_id="",
                         group_id="1", created_at=created_at, ttl=ttl, message_type="train")
     return Message(metadata=metadata, content=RecordDict())
 
 
-def test_a_message_past_its_deadline_or_for_a_busy_node_gets_an_error_reply_without_work():
+def test_a_message_past_its_deadline_or_for_a_busy_node_gets_an_error_reply_without_work(own_tmp):
     context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(),
                       run_config={"overrides": "round_timeout=15"})
     work = []
@@ -63,14 +74,29 @@ def test_a_message_past_its_deadline_or_for_a_busy_node_gets_an_error_reply_with
     assert not reply.has_error() and work == [1]
 
 
-def test_a_node_slot_is_a_lock_file_in_its_runs_folder_which_the_run_end_removes():
-    run_id = time.time_ns()  # a run of its own
-    with node_slot(run_id, 3) as free:
-        assert free and (run_locks(run_id) / "3.lock").is_file() and run_locks(run_id).parent == locks_root()
-        with node_slot(run_id, 3) as again, node_slot(run_id, 4) as other:
-            assert not again and other  # node 3 is busy, node 4 is not
-    with node_slot(run_id, 3) as free:  # released on leaving
+def test_a_node_slot_is_a_lock_file_in_its_runs_folder_which_the_run_end_removes(own_tmp):
+    with node_slot(5, 3) as free:
         assert free
-    remove_run_locks(run_id)
-    assert not run_locks(run_id).exists()
-    remove_run_locks(run_id)  # a run without lock files (a deployment's ServerApp machine): nothing to do
+        assert (own_tmp / f"fedact-node-locks-{os.getuid()}" / "5" / "3.lock").is_file()
+        assert stat.S_IMODE((own_tmp / f"fedact-node-locks-{os.getuid()}").stat().st_mode) == 0o700
+        with node_slot(5, 3) as again, node_slot(5, 4) as other, node_slot(6, 3) as other_run:
+            assert not again and other and other_run  # node 3 of run 5 is busy, nothing else
+    with node_slot(5, 3) as free:  # released on leaving
+        assert free
+    remove_run_locks(5)
+    assert not (own_tmp / f"fedact-node-locks-{os.getuid()}" / "5").exists()
+    assert (own_tmp / f"fedact-node-locks-{os.getuid()}" / "6").exists()
+    remove_run_locks(5)  # a run without lock files (a deployment's ServerApp machine): nothing to do
+
+
+def test_stale_lock_folders_go_and_a_slot_without_a_lock_file_still_works(own_tmp, caplog):
+    for run_id in (1, 2):
+        with node_slot(run_id, 0):
+            pass
+    os.utime(run_locks(1), (0, time.time() - STALE_AFTER - 60))
+    remove_stale_locks()
+    assert not run_locks(1).exists() and run_locks(2).exists()
+    run_locks(7).write_text("")  # a file where run 7's folder goes: no lock file can be made
+    with node_slot(7, 9) as free:
+        assert free  # the work goes on without the guard
+    assert "node 9: no lock file" in caplog.text
