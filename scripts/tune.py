@@ -17,8 +17,9 @@ SGD family in [3e-3, 1] (the seed's grids widened; ``--lr-range`` sets one range
 for methods whose trust modulation is on (fedact, fedact_local): ``algorithm.tau`` uniform in
 [0.1, 1], ``algorithm.gamma`` uniform in [0, 1] and ``algorithm.scale_matched`` in {false, true}.
 With ``--lr-grid N`` only ``algorithm.lr`` is searched, on N log-spaced values over the range (the
-ends included; one enqueued trial per value) and the trust settings keep their
-config values: the seed's own protocol, and the budget choice when a few trials must do.
+ends included; one trial per value) and the trust settings keep their config values: the seed's
+(the paper's) protocol, and a choice for small budgets. A second call runs the values that have
+no completed trial yet (failed or interrupted).
 A run that failed (the model diverged) scores 0; a trial whose run could not be launched or timed
 out is told FAIL. With ``--storage`` (e.g. ``sqlite:///tuning/optuna.db``) the studies persist and a
 second call adds trials until each method has ``--trials`` finished ones; the jobs' folders under
@@ -83,7 +84,8 @@ def lr_grid(lr_range: tuple[float, float], points: int) -> list[float]:
     low, high = lr_range
     if points < 2 or not 0 < low < high:
         raise ValueError(f"an lr grid needs at least 2 points over 0 < low < high, got {points} over {lr_range}")
-    return [float(f"{low * (high / low) ** (i / (points - 1)):.6g}") for i in range(points)]
+    inner = [float(f"{low * (high / low) ** (i / (points - 1)):.6g}") for i in range(1, points - 1)]
+    return [float(low), *inner, float(high)]  # the ends exactly: rounded, they could leave the range
 
 
 def suggest(trial: optuna.Trial, method: str, lr_range: tuple[float, float] | None = None,
@@ -103,31 +105,45 @@ def tune_method(method: str, objective: Objective, trials: int, storage: str | N
                 study_name: str | None = None, sampler_seed: int = 0,
                 lr_range: tuple[float, float] | None = None, grid_points: int | None = None) -> optuna.Study:
     """Ask/tell until the method's study has ``trials`` finished trials (a persisted study is
-    continued); returns the study. ``grid_points``: the lr alone on that many log-spaced values
-    (enqueued trials), one trial each, so ``trials`` is the number of points."""
+    continued); returns the study.
+
+    ``grid_points``: instead the lr alone, on that many log-spaced values (``lr_grid``), one trial
+    for each value that has no completed trial yet (``trials`` is not used): a second call runs
+    again what failed or was interrupted. The values are enqueued trials, not Optuna's
+    ``GridSampler``, which calls ``Study.stop()`` when the grid is used up, and that fails outside
+    ``Study.optimize()``."""
     study = optuna.create_study(direction="maximize", storage=storage, study_name=study_name or method,
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=sampler_seed))
-    if grid_points is not None:  # enqueued trials, as GridSampler stops a study only inside optimize()
-        grid = lr_grid(lr_range or default_lr_range(method), grid_points)
-        for lr in grid:
-            study.enqueue_trial({"lr": lr}, skip_if_exists=True)
-        trials = len(grid)
-    while len(finished := study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
-                                                                   optuna.trial.TrialState.FAIL))) < trials:
-        trial = study.ask()
-        overrides = suggest(trial, method, lr_range, lr_only=grid_points is not None)
-        trial.set_user_attr("overrides", overrides)
-        try:
-            value = objective(method, overrides, trial.number)
-        except TrialFailed as err:
-            trial.set_user_attr("error", str(err)[-1000:])
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            print(f"[tune] {method} trial {trial.number} ({len(finished) + 1}/{trials}): failed: {err}", flush=True)
-            continue
-        study.tell(trial, value)
-        print(f"[tune] {method} trial {trial.number} ({len(finished) + 1}/{trials}): {value:.4f} "
-              f"({' '.join(overrides)}); best {study.best_value:.4f}", flush=True)
+    if grid_points is None:
+        while (done := len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
+                                                                    optuna.trial.TrialState.FAIL)))) < trials:
+            run_trial(study, method, objective, f"{done + 1}/{trials}", lr_range, lr_only=False)
+        return study
+    grid = lr_grid(lr_range or default_lr_range(method), grid_points)
+    for number, lr in enumerate(grid, 1):
+        completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if not any(math.isclose(t.params.get("lr", -1.0), lr, rel_tol=1e-9) for t in completed):
+            study.enqueue_trial({"lr": lr})
+            run_trial(study, method, objective, f"lr {number}/{len(grid)}", lr_range, lr_only=True)
     return study
+
+
+def run_trial(study: optuna.Study, method: str, objective: Objective, progress: str,
+              lr_range: tuple[float, float] | None, lr_only: bool) -> None:
+    """One trial: ``study.ask()``, the objective's runs, ``study.tell()`` (FAIL when they gave no score)."""
+    trial = study.ask()
+    overrides = suggest(trial, method, lr_range, lr_only=lr_only)
+    trial.set_user_attr("overrides", overrides)
+    try:
+        value = objective(method, overrides, trial.number)
+    except TrialFailed as err:
+        trial.set_user_attr("error", str(err)[-1000:])
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        print(f"[tune] {method} trial {trial.number} ({progress}): failed: {err}", flush=True)
+        return
+    study.tell(trial, value)
+    print(f"[tune] {method} trial {trial.number} ({progress}): {value:.4f} ({' '.join(overrides)}); "
+          f"best {study.best_value:.4f}", flush=True)
 
 
 def best_overrides(study: optuna.Study) -> list[str]:
@@ -169,23 +185,39 @@ def run_score(job_dir: Path, row: dict, kind: str) -> float:
     return value
 
 
-def write_tuned(path: Path, studies: dict[str, optuna.Study], seeds: Sequence[int], objective: str) -> None:
-    """``tuned.yaml``: what scripts/study.py --tuned reads (methods -> overrides, seeds) and the scores.
-    The other methods of an existing file with the same seeds and objective are kept; a file with
-    other seeds or another objective is replaced (its methods were tuned for another question)."""
-    tuned = {"objective": objective, "seeds": list(seeds), "methods": {}, "scores": {}, "trials": {}}
+def write_tuned(path: Path, studies: dict[str, optuna.Study], seeds: Sequence[int], objective: str,
+                searches: dict[str, str] | None = None) -> None:
+    """``tuned.yaml``: what scripts/study.py --tuned reads (methods -> overrides, seeds), the scores
+    and how each method was searched. The other methods of an existing file with the same seeds and
+    objective are kept; a file with other seeds or another objective is replaced, with a warning
+    naming the methods it loses (they were tuned for another question)."""
+    tuned = {"objective": objective, "seeds": list(seeds), "methods": {}, "scores": {}, "trials": {}, "search": {}}
     if path.exists():
         earlier = yaml.safe_load(path.read_text()) or {}
         if earlier.get("objective") == objective and earlier.get("seeds") == list(seeds):
-            for key in ("methods", "scores", "trials"):
+            for key in tuned.keys() - {"objective", "seeds"}:
                 tuned[key].update(earlier.get(key) or {})
+        elif lost := sorted(set(earlier.get("methods") or {}) - set(studies)):
+            print(f"warning: {path} was tuned with other seeds or another objective; its entries for "
+                  f"{', '.join(lost)} are dropped", file=sys.stderr)
     for method, s in studies.items():
         tuned["methods"][method] = best_overrides(s)
         tuned["scores"][method] = round(float(s.best_value), 6)
         tuned["trials"][method] = len(s.trials)
+        tuned["search"][method] = (searches or {}).get(method, "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# written by scripts/tune.py; use with scripts/study.py run --tuned\n"
                     + yaml.safe_dump(tuned, sort_keys=False))
+
+
+def search_description(method: str, lr_range: tuple[float, float] | None, grid_points: int | None,
+                       trials: int) -> str:
+    """How ``method`` was searched, for tuned.yaml's ``search``."""
+    lr_range = lr_range or default_lr_range(method)
+    if grid_points is not None:
+        return f"algorithm.lr on the grid {lr_grid(lr_range, grid_points)}"
+    trust = ", algorithm.tau, algorithm.gamma, algorithm.scale_matched" if tunes_trust(method) else ""
+    return f"TPE, {trials} trials: algorithm.lr log-uniform in {list(lr_range)}{trust}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for jobs/ and tuned.yaml")
     parser.add_argument("--methods", nargs="+", required=True, choices=list(METHODS))
-    parser.add_argument("--trials", type=int, default=20, help="finished trials per method (default 20)")
+    parser.add_argument("--trials", type=int, default=None, help="finished trials per method (default 20; "
+                                                                 "not with --lr-grid)")
     parser.add_argument("--seeds", nargs="+", default=["1000"], help="tuning seeds (default 1000), none of the study's")
     parser.add_argument("--holdout", type=float, default=0.1, help="dataset.holdout_fraction (default 0.1)")
     parser.add_argument("--metric", choices=("final", "best"), default="final", help="val_accuracy at the end or best")
@@ -203,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"lr range of every method (default: {ADAM_LR_RANGE} for local-Adam methods, "
                              f"{SGD_LR_RANGE} for the SGD family)")
     parser.add_argument("--lr-grid", type=int, default=None, metavar="N",
-                        help="search the lr alone on N log-spaced values over the range, one trial each "
-                             "(--trials is then N); the trust settings keep their config values")
+                        help="search the lr alone on N log-spaced values over the range, one trial each; "
+                             "the trust settings keep their config values")
     parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///tuning/optuna.db")
     parser.add_argument("--study-name", default="fedact-tune", help="prefix of the Optuna study names")
     parser.add_argument("--sampler-seed", type=int, default=0)
@@ -214,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = study_script.parse_seeds(args.seeds)
     lr_range = tuple(args.lr_range) if args.lr_range else None
+    if args.lr_grid is not None and args.trials is not None:
+        parser.error("--trials and --lr-grid exclude each other: a grid runs one trial per value")
+    trials = 20 if args.trials is None else args.trials
     if args.lr_grid is not None:
         try:
             for method in args.methods:
@@ -231,16 +267,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         studies = {}
         for method in args.methods:
-            studies[method] = tune_method(method, objective, args.trials, args.storage,
-                                          f"{args.study_name}-{method}", args.sampler_seed, lr_range,
-                                          args.lr_grid)
+            name = f"{args.study_name}-{method}" + ("" if args.lr_grid is None else f"-lr-grid{args.lr_grid}")
+            studies[method] = tune_method(method, objective, trials, args.storage, name, args.sampler_seed,
+                                          lr_range, args.lr_grid)
     if failed := [m for m, s in studies.items() if not any(t.value is not None for t in s.trials)]:
         print(f"error: no trial of {', '.join(failed)} finished: see {args.out / 'jobs' / 'summary.md'}",
               file=sys.stderr)
         return 1
     description = (f"{args.metric} val_accuracy (dataset.holdout_fraction={args.holdout}), mean over the "
                    f"tuning seeds; shared overrides: {' '.join(shared)}")
-    write_tuned(args.out / "tuned.yaml", studies, seeds, description)
+    write_tuned(args.out / "tuned.yaml", studies, seeds, description,
+                {m: search_description(m, lr_range, args.lr_grid, trials) for m in studies})
     print((args.out / "tuned.yaml").read_text())
     print(json.dumps({m: s.best_value for m, s in studies.items()}))
     return 0

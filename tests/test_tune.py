@@ -105,21 +105,60 @@ def test_an_lr_grid_runs_each_log_spaced_value_once_and_leaves_the_trust_setting
         tune.lr_grid((1e-3, 1e-3), 3)
     calls = []
     result = tune.tune_method("fedact", stub_objective(calls), trials=99, lr_range=(2.5e-4, 4e-3), grid_points=5)
-    assert len(calls) == 5 and len(result.trials) == 5  # the grid's size, not --trials
+    assert len(calls) == 5 and len(result.trials) == 5  # the grid's size; trials is not used
     assert sorted(float(o[0].split("=")[1]) for _, o, _ in calls) == [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3]
     assert all(len(overrides) == 1 for _, overrides, _ in calls)  # no tau/gamma/scale_matched
     assert tune.best_overrides(result) == ["algorithm.lr=0.001"]
     assert tune.main(["--out", "unused", "--methods", "fedavg", "--lr-grid", "1"]) == 2
+    with pytest.raises(SystemExit):  # a grid runs one trial per value
+        tune.main(["--out", "unused", "--methods", "fedavg", "--lr-grid", "3", "--trials", "5"])
 
 
-def test_a_second_call_adds_its_methods_to_the_tuned_file_unless_the_question_changed(tmp_path):
+def test_a_second_grid_call_runs_the_values_that_failed_or_were_interrupted_and_no_others(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    calls = []
+
+    def first(method, overrides, number):
+        lr = float(overrides[0].split("=")[1])
+        calls.append(lr)
+        if lr == 1e-3:
+            raise tune.TrialFailed("timed out")
+        if lr == 2e-3:
+            raise KeyboardInterrupt  # the user stops the call during this trial
+        return -1.0
+
+    with pytest.raises(KeyboardInterrupt):
+        tune.tune_method("fedadamw", first, 0, storage, "g", lr_range=(5e-4, 2e-3), grid_points=3)
+    assert calls == [5e-4, 1e-3, 2e-3]
+    calls.clear()
+    result = tune.tune_method("fedadamw", stub_objective([]), 0, storage, "g", lr_range=(5e-4, 2e-3), grid_points=3)
+    again = [t.params["lr"] for t in result.trials if t.number >= 3]
+    assert again == [1e-3, 2e-3]  # not 5e-4, and no value off the grid
+    assert tune.best_overrides(result) == ["algorithm.lr=0.001"]
+    assert tune.lr_grid((1.0000001e-4, 1.0000001e-2), 3)[::2] == [1.0000001e-4, 1.0000001e-2]  # the ends exact
+
+
+def test_a_second_call_adds_its_methods_to_the_tuned_file_unless_the_question_changed(tmp_path, capsys):
     path = tmp_path / "tuned.yaml"
-    fedact = tune.tune_method("fedact", stub_objective([]), trials=2, lr_range=(5e-4, 2e-3), grid_points=3)
-    fedavg = tune.tune_method("fedavg", stub_objective([]), trials=2, lr_range=(1e-2, 1.0), grid_points=3)
-    tune.write_tuned(path, {"fedact": fedact}, [1000, 1001], "final val")
-    tune.write_tuned(path, {"fedavg": fedavg}, [1000, 1001], "final val")
+    fedact = tune.tune_method("fedact", stub_objective([]), trials=0, lr_range=(5e-4, 2e-3), grid_points=3)
+    fedavg = tune.tune_method("fedavg", stub_objective([]), trials=0, lr_range=(1e-2, 1.0), grid_points=3)
+    tune.write_tuned(path, {"fedact": fedact}, [1000, 1001], "final val", {"fedact": "grid A"})
+    tune.write_tuned(path, {"fedavg": fedavg}, [1000, 1001], "final val", {"fedavg": "grid B"})
     tuned = study.read_tuned(path)
     assert tuned["methods"] == {"fedact": ["algorithm.lr=0.001"], "fedavg": ["algorithm.lr=0.01"]}
     assert tuned["trials"] == {"fedact": 3, "fedavg": 3}
+    assert tuned["search"] == {"fedact": "grid A", "fedavg": "grid B"}
+    refit = tune.tune_method("fedact", lambda m, o, n: 1.0 if o[0].endswith("0.0005") else 0.0, trials=0,
+                             lr_range=(5e-4, 2e-3), grid_points=3)
+    tune.write_tuned(path, {"fedact": refit}, [1000, 1001], "final val")  # a method tuned again: replaced
+    assert study.read_tuned(path)["methods"]["fedact"] == ["algorithm.lr=0.0005"]
+    assert capsys.readouterr().err == ""
     tune.write_tuned(path, {"fedavg": fedavg}, [7], "final val")  # other seeds: another question
     assert list(study.read_tuned(path)["methods"]) == ["fedavg"]
+    assert "entries for fedact are dropped" in capsys.readouterr().err
+    tune.write_tuned(path, {"fedact": fedact}, [7], "best val")  # another objective: another question
+    assert list(study.read_tuned(path)["methods"]) == ["fedact"]
+    assert "entries for fedavg are dropped" in capsys.readouterr().err
+    assert "TPE, 20 trials" in tune.search_description("fedact", None, None, 20)
+    assert "algorithm.tau" in tune.search_description("fedact", None, None, 20)
+    assert tune.search_description("fedavg", (1e-2, 1.0), 3, 20) == "algorithm.lr on the grid [0.01, 0.1, 1.0]"
