@@ -157,8 +157,16 @@ def sweep_jobs(overrides: str, jobs: int, base: Path, num_cpus: int, max_paralle
             return {**run_record(output), "wall": result.seconds}
 
         started = time.monotonic()
-        with ThreadPoolExecutor(max_parallel) as pool:
+        if max_parallel == 1:
+            return [job(seed) for seed in range(1, jobs + 1)], time.monotonic() - started
+        pool = ThreadPoolExecutor(max_parallel)
+        try:
             found = list(pool.map(job, range(1, jobs + 1)))
+        except BaseException:  # a failed job, Ctrl-C: stop the runs in flight, not wait for the queue
+            engine.close()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         return found, time.monotonic() - started
 
 
@@ -179,8 +187,9 @@ def machine() -> str:
 
 
 def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], jobs: list[dict],
-           num_cpus: int, sweeps: dict[int, float] | None = None) -> str:
-    """The table; ``sweeps``: the sweep's wall time per --max-parallel value (1 and the asked one)."""
+           num_cpus: int, sweeps: dict[int, tuple[float, list[float]]] | None = None) -> str:
+    """The table; ``sweeps``: per --max-parallel value (1 and the asked one) the sweep's wall time
+    and its jobs' own wall times."""
     import torch
 
     med = statistics.median
@@ -217,10 +226,10 @@ def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], j
         lines.append(f"{'   fixed cost per job (wall - plain run)':44} {spread(fixed):>22}")
         lines.append(f"{'   its rounds 1..R':44} {spread([sum(j['rounds']) for j in later]):>22}")
     if sweeps and len(sweeps) > 1:
-        sequential = sweeps[1]
-        for parallel, wall in sorted(sweeps.items()):
-            lines.append(f"{f'   {len(jobs)} jobs, --max-parallel {parallel}: per job':44} {wall / len(jobs):>22.1f} "
-                         f"{wall / sequential:>7.2f}x of --max-parallel 1")
+        sequential = sweeps[1][0]
+        for parallel, (wall, walls) in sorted(sweeps.items()):
+            lines.append(f"{f'   --max-parallel {parallel}: sweep wall / {len(jobs)} jobs':44} {wall / len(jobs):>22.1f} "
+                         f"{wall / sequential:>7.2f}x of --max-parallel 1 (a job's own wall {spread(walls)})")
     accuracy = {round(p["final_test_accuracy"], 4) for p in plain} | {round(a["final_test_accuracy"], 4) for a in alone}
     lines += ["", f"final test accuracy, plain loop and app runs (one seed): {sorted(accuracy)}"]
     return "\n".join(lines)
@@ -244,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_parallel < 1:
         parser.error(f"--max-parallel must be >= 1, got {args.max_parallel}")
+    if args.max_parallel > 1 and args.jobs < 2:
+        parser.error(f"--max-parallel {args.max_parallel} compares sweeps of --jobs >= 2, got --jobs {args.jobs}")
     if args.plain_child is not None:
         print(json.dumps(plain_run(args.plain_child)))
         return 0
@@ -260,10 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             plain.append(plain_process(overrides))
             alone.append(app_alone(overrides, base / f"alone-{repeat}", args.num_cpus))
         jobs, sweeps = [], {}
-        if args.jobs:
-            jobs, sweeps[1] = sweep_jobs(overrides, args.jobs, base, args.num_cpus)
-            if args.max_parallel > 1:
-                _, sweeps[args.max_parallel] = sweep_jobs(overrides, args.jobs, base, args.num_cpus, args.max_parallel)
+        for parallel in sorted({1, args.max_parallel}) if args.jobs else ():
+            found, wall = sweep_jobs(overrides, args.jobs, base, args.num_cpus, parallel)
+            jobs = jobs or found
+            sweeps[parallel] = (wall, [j["wall"] for j in found])
     print(report(args.setting, overrides, plain, alone, jobs, args.num_cpus, sweeps))
     return 0
 

@@ -69,9 +69,12 @@ def test_bench_run_reports_the_parallel_sweep_per_job_against_one_at_a_time():
     alone = [{"wall": 20.0, "rounds": [3.0, 1.5], "startup": 5.0, "round0": 0.5, "shutdown": 2.0,
               "final_test_accuracy": 0.5}]
     jobs = [{"wall": 18.0, "rounds": [2.0, 1.0]}, {"wall": 16.0, "rounds": [2.0, 1.0]}]
-    out = bench_run.report("digits", "", plain, alone, jobs, 1, {1: 34.0, 2: 25.5})
-    assert re.search(r"2 jobs, --max-parallel 1: per job +17\.0 +1\.00x of --max-parallel 1$", out, re.M), out
-    assert re.search(r"2 jobs, --max-parallel 2: per job +12\.8 +0\.75x of --max-parallel 1$", out, re.M), out
+    out = bench_run.report("digits", "", plain, alone, jobs, 1, {1: (34.0, [18.0, 16.0]), 2: (25.5, [24.0, 25.0])})
+    assert re.search(r"--max-parallel 1: sweep wall / 2 jobs +17\.0 +1\.00x of --max-parallel 1 "
+                     r"\(a job's own wall 17\.0 \[16\.0-18\.0\]\)$", out, re.M), out
+    assert re.search(r"--max-parallel 2: sweep wall / 2 jobs +12\.8 +0\.75x of --max-parallel 1 "
+                     r"\(a job's own wall 24\.5 \[24\.0-25\.0\]\)$", out, re.M), out
     assert re.search(r"fixed cost per job \(wall - plain run\) +6\.0$", out, re.M), out
-    with pytest.raises(SystemExit):
-        bench_run.main(["--max-parallel", "0"])
+    for bad in (["--max-parallel", "0"], ["--max-parallel", "2", "--jobs", "1"]):
+        with pytest.raises(SystemExit):
+            bench_run.main(bad)
