@@ -70,9 +70,9 @@ def remove_run_locks(run_id: int) -> None:
     shutil.rmtree(run_locks(run_id), ignore_errors=True)
 
 
-def remove_stale_locks(now: float | None = None) -> None:
+def remove_stale_locks() -> None:
     """Delete the lock folders of runs that handled no message for ``STALE_AFTER`` seconds."""
-    now = time.time() if now is None else now
+    now = time.time()
     with contextlib.suppress(OSError):
         for folder in locks_root().iterdir():
             with contextlib.suppress(OSError):
