@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fedact_app.cli.engine import LocalEngine
+
 for _key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "FLWR_DISABLE_UPDATE_CHECK"):
     os.environ[_key] = "1"
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
@@ -21,14 +23,27 @@ atexit.register(shutil.rmtree, os.environ["FEDACT_CACHE_DIR"], ignore_errors=Tru
 
 @pytest.fixture(scope="session")
 def flower_engine():
-    """One local engine for the session's end-to-end runs (fedact_app.cli.engine.LocalEngine: one
-    SuperLink and one Ray cluster, runs one after another), as a sweep uses it: on 2 cores that is
-    faster than runs side by side, each paying for its own SuperLink and Ray. tests/test_launch.py
-    and tests/test_reproducible_e2e.py also run the app alone on a fresh SuperLink."""
-    from fedact_app.cli.engine import LocalEngine
-
-    with LocalEngine() as engine:
+    """One local engine for this test process's end-to-end runs (fedact_app.cli.engine.LocalEngine:
+    one SuperLink and one Ray cluster, runs one after another), as a sweep uses it: on 2 cores that
+    is faster than runs side by side, each paying for its own SuperLink and Ray. A run's clients
+    train in one Ray actor unless the test asks for more (:class:`OneActorEngine`).
+    tests/test_launch.py and tests/test_reproducible_e2e.py also run the app alone on a fresh
+    SuperLink, with Flower's default of one CPU (and so one actor) per client."""
+    with OneActorEngine() as engine:
         yield engine
+
+
+class OneActorEngine(LocalEngine):
+    """A :class:`~fedact_app.cli.engine.LocalEngine` whose runs give each client all of the
+    cluster's CPUs unless ``num_cpus_per_client`` is passed: Flower then makes one Ray actor,
+    and the clients of a round train one after another in it. Each further actor is a process
+    that imports torch and the app (about 6 CPU-seconds of a 16-second digits run, measured
+    here), for test clients that compute for milliseconds. What a run computes does not depend
+    on the actor a client trains in (tests/test_reproducible_e2e.py)."""
+
+    def run(self, app_dir, overrides="", num_supernodes=2, num_cpus_per_client=None, *args, **kwargs):
+        cpus = self.num_cpus if num_cpus_per_client is None else num_cpus_per_client
+        return super().run(app_dir, overrides, num_supernodes, cpus, *args, **kwargs)
 
 
 class FakeEngine:

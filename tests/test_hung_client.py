@@ -31,7 +31,9 @@ HUNG = ("num_rounds=3 num_clients=5 fraction_train=1.0 min_train_nodes=4 local_s
 
 @pytest.mark.e2e
 def test_a_hung_client_does_not_hold_the_others(tmp_path, flower_engine):
-    result = flower_engine.run(APP_DIR, overrides=f"{HUNG} output_dir={tmp_path}", num_supernodes=5, timeout=300)
+    # one CPU per client: several actors, so the others train while one hangs
+    result = flower_engine.run(APP_DIR, overrides=f"{HUNG} output_dir={tmp_path}", num_supernodes=5,
+                               num_cpus_per_client=1, timeout=300)
     assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
     (folder,) = list(tmp_path.iterdir())
     assert not run_locks(result.run_id).exists()  # removed with the hung node's lock still held
