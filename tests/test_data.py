@@ -8,6 +8,7 @@ and image folders with the hub layouts' exact column and split names.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -107,7 +108,7 @@ LABELS = np.repeat(np.arange(10), 200)  # sorted by class, as an image folder is
 
 @pytest.mark.parametrize("part", [PartitionConfig(name="iid"), PartitionConfig(name="dirichlet", alpha=0.3)])
 def test_partitions_deterministic_disjoint_covering(part, monkeypatch):
-    monkeypatch.setenv(partition.PARTITION_CACHE_ENV, "")  # draw twice, not draw and read back
+    monkeypatch.setenv(splits.CACHE_ENV, "")  # draw twice, not draw and read back
     first = partition.partition_indices(LABELS, 10, part, seed=42)
     data.clear_caches()
     again = partition.partition_indices(LABELS, 10, part, seed=42)
@@ -134,7 +135,7 @@ def test_dirichlet_skew_grows_as_alpha_shrinks_and_iid_is_uniform():
 
 
 def test_a_partition_is_kept_on_disk_and_read_back_by_the_next_process(tmp_path, monkeypatch):
-    monkeypatch.setenv(partition.PARTITION_CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(splits.CACHE_ENV, str(tmp_path))
     part = PartitionConfig(name="dirichlet", alpha=0.3)
     drawn = partition.partition_indices(LABELS, 10, part, seed=42)
     (stored,) = (tmp_path / "partitions").iterdir()
@@ -154,10 +155,49 @@ def test_a_partition_is_kept_on_disk_and_read_back_by_the_next_process(tmp_path,
     assert any(not np.array_equal(a, b) for a, b in zip(other_seed, drawn))
 
 
-def test_the_partition_cache_is_off_with_an_empty_folder_name(tmp_path, monkeypatch):
-    monkeypatch.setenv(partition.PARTITION_CACHE_ENV, "")
+DIGITS_PROCESS = """
+import sys
+import numpy as np
+from fedact_app.tasks.vision import splits
+arrays = splits._digits_arrays()
+np.savez(sys.argv[1], sklearn_imported=np.array("sklearn" in sys.modules), **arrays)
+"""
+
+
+def test_the_digits_split_is_kept_on_disk_and_read_back_without_scikit_learn(tmp_path):
+    """A process with an empty cache computes the split with scikit-learn and stores it; the next
+    process reads it without importing scikit-learn, and both give the split computed here."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images, labels = (digits.images / 16.0).astype(np.float32)[:, None], digits.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
+    env = {**os.environ, "FEDACT_CACHE_DIR": str(tmp_path / "cache")}
+    for run, sklearn_expected in (("first", True), ("second", False)):
+        out = tmp_path / f"{run}.npz"
+        subprocess.run([sys.executable, "-c", DIGITS_PROCESS, str(out)], env=env, check=True)
+        with np.load(out) as got:
+            assert bool(got["sklearn_imported"]) is sklearn_expected, run
+            for name, want in (("x_train", x_tr), ("y_train", y_tr), ("x_test", x_te), ("y_test", y_te)):
+                assert got[name].dtype == want.dtype and np.array_equal(got[name], want), (run, name)
+    (stored,) = (tmp_path / "cache" / "digits").iterdir()
+    stored.write_bytes(b"not a zip file")  # a damaged file is computed again and replaced
+    subprocess.run([sys.executable, "-c", DIGITS_PROCESS, str(tmp_path / "third.npz")], env=env, check=True)
+    with np.load(tmp_path / "third.npz") as got:
+        assert bool(got["sklearn_imported"]) and np.array_equal(got["x_test"], x_te)
+    with np.load(stored) as rewritten:
+        assert np.array_equal(rewritten["y_train"], y_tr)
+
+
+def test_the_caches_are_off_with_an_empty_folder_name(tmp_path, monkeypatch):
+    monkeypatch.setenv(splits.CACHE_ENV, "")
     monkeypatch.setenv("HOME", str(tmp_path))  # the default folder would be under here
     partition.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)
+    splits._digits_arrays()
     assert list(tmp_path.iterdir()) == []
 
 

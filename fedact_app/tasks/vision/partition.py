@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import warnings
-import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -18,7 +15,7 @@ import datasets
 import numpy as np
 
 from fedact_app.config import Config, ConfigError, PartitionConfig
-from fedact_app.tasks.vision.splits import LABEL
+from fedact_app.tasks.vision.splits import LABEL, cache_folder, read_cache_file, write_cache_file
 
 
 def partition_indices(
@@ -64,12 +61,10 @@ def _partition_cached(
     return tuple(parts)
 
 
-PARTITION_CACHE_ENV = "FEDACT_CACHE_DIR"
-
-
 def partition_cache_file(labels_bytes: bytes, num_partitions: int, name: str, alpha: float,
                          min_size: int, seed: int) -> Path | None:
-    """Where a partition is kept between processes, or None when ``$FEDACT_CACHE_DIR`` is empty.
+    """Where a partition is kept between processes, or None when the cache is off
+    (:func:`~.splits.cache_folder`).
 
     A Flower 1.41 deployment runs every message in a new ClientApp process, which would import
     flwr-datasets and draw the whole partition again each round (1-2.5 s for CIFAR-100 on
@@ -78,25 +73,22 @@ def partition_cache_file(labels_bytes: bytes, num_partitions: int, name: str, al
     flwr-datasets and numpy. Folder: ``$FEDACT_CACHE_DIR/partitions`` (default
     ``~/.cache/fedact``).
     """
-    root = os.environ.get(PARTITION_CACHE_ENV, os.path.join("~", ".cache", "fedact"))
-    if not root:
+    folder = cache_folder("partitions")
+    if folder is None:
         return None
     from importlib.metadata import version
 
     settings = (num_partitions, name, alpha, min_size, seed, version("flwr-datasets"), np.__version__)
     digest = hashlib.sha256(labels_bytes + repr(settings).encode()).hexdigest()[:32]
-    return Path(root).expanduser() / "partitions" / f"{name}-{num_partitions}-{digest}.npz"
+    return folder / f"{name}-{num_partitions}-{digest}.npz"
 
 
 def _read_partition(path: Path | None, num_partitions: int, num_rows: int) -> list[np.ndarray] | None:
     """The partition stored at ``path``; None when there is none or it does not fit the data."""
-    if path is None or not path.is_file():
+    stored = read_cache_file(path, ("rows", "sizes"))
+    if stored is None:
         return None
-    try:
-        with np.load(path) as stored:
-            rows, sizes = stored["rows"].astype(np.int64), stored["sizes"].astype(np.int64)
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
-        return None
+    rows, sizes = stored["rows"].astype(np.int64), stored["sizes"].astype(np.int64)
     if (sizes.shape != (num_partitions,) or (sizes < 0).any() or sizes.sum() != rows.size
             or (rows.size and not 0 <= rows.min() <= rows.max() < num_rows)):
         return None
@@ -104,19 +96,8 @@ def _read_partition(path: Path | None, num_partitions: int, num_rows: int) -> li
 
 
 def _write_partition(path: Path | None, parts: Sequence[np.ndarray]) -> None:
-    """Store a partition at ``path`` atomically (processes drawing it at once write the same
-    file); a cache that cannot be written is skipped with a warning."""
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        with open(partial, "wb") as file:
-            np.savez(file, rows=np.concatenate(parts), sizes=np.array([p.size for p in parts]))
-        os.replace(partial, path)
-    except OSError as exc:
-        warnings.warn(f"Partition cache not written ({exc}); set {PARTITION_CACHE_ENV} to a writable "
-                      f"folder, or to an empty value to turn the cache off", RuntimeWarning, stacklevel=2)
+    """Store a partition at ``path`` (:func:`~.splits.write_cache_file`)."""
+    write_cache_file(path, "Partition", rows=np.concatenate(parts), sizes=np.array([p.size for p in parts]))
 
 
 def _iid_partition(labels: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:

@@ -35,7 +35,10 @@ shaped (C, H, W).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -86,6 +89,27 @@ def resolve_path(path: str | None) -> str | None:
 
 def _digits_splits() -> tuple[datasets.Dataset, datasets.Dataset]:
     """scikit-learn's digits as (1, 8, 8) float images in [0, 1], stratified 80/20 split."""
+    arrays = _digits_arrays()
+    return _array_dataset(arrays["x_train"], arrays["y_train"]), _array_dataset(arrays["x_test"], arrays["y_test"])
+
+
+DIGITS_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def _digits_arrays() -> dict[str, np.ndarray]:
+    """The digits split as arrays: read from the cache on disk (:func:`cache_folder`), else
+    computed with scikit-learn and stored there. Importing scikit-learn costs about 1 s of CPU in
+    every new process that reads the data (the ServerApp's, each Ray actor's and, in a deployment,
+    each message's ClientApp); the file is 0.5 MB. Its name hashes the versions of scikit-learn
+    and numpy and the split's settings."""
+    from importlib.metadata import version
+
+    folder = cache_folder("digits")
+    settings = (version("scikit-learn"), np.__version__, DIGITS_TEST_FRACTION, DIGITS_SPLIT_SEED)
+    path = None if folder is None else folder / f"split-{hashlib.sha256(repr(settings).encode()).hexdigest()[:32]}.npz"
+    stored = read_cache_file(path, DIGITS_ARRAYS)
+    if stored is not None and _fits_digits(stored):
+        return stored
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -95,7 +119,57 @@ def _digits_splits() -> tuple[datasets.Dataset, datasets.Dataset]:
     x_tr, x_te, y_tr, y_te = train_test_split(
         images, labels, test_size=DIGITS_TEST_FRACTION, stratify=labels, random_state=DIGITS_SPLIT_SEED
     )
-    return _array_dataset(x_tr, y_tr), _array_dataset(x_te, y_te)
+    arrays = {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+    write_cache_file(path, "Digits split", **arrays)
+    return arrays
+
+
+def _fits_digits(arrays: dict[str, np.ndarray]) -> bool:
+    """Whether stored arrays have the digits split's shapes, types and value ranges."""
+    x_tr, y_tr, x_te, y_te = (arrays[name] for name in DIGITS_ARRAYS)
+    return (x_tr.dtype == x_te.dtype == np.float32 and y_tr.dtype == y_te.dtype == np.int64
+            and x_tr.shape[1:] == x_te.shape[1:] == (1, 8, 8) and len(x_tr) == len(y_tr)
+            and len(x_te) == len(y_te) and len(x_tr) + len(x_te) == 1797
+            and all(0 <= a.min() and a.max() <= (1 if a.dtype == np.float32 else 9) for a in arrays.values()))
+
+
+CACHE_ENV = "FEDACT_CACHE_DIR"
+
+
+def cache_folder(kind: str) -> Path | None:
+    """``$FEDACT_CACHE_DIR/<kind>`` (default ``~/.cache/fedact/<kind>``): where data that a run
+    derives deterministically (a digits split, a partition) is kept between processes; None when
+    the variable is set to an empty value (the cache is off)."""
+    root = os.environ.get(CACHE_ENV, os.path.join("~", ".cache", "fedact"))
+    return Path(root).expanduser() / kind if root else None
+
+
+def read_cache_file(path: Path | None, names: Sequence[str]) -> dict[str, np.ndarray] | None:
+    """The arrays ``names`` of the ``.npz`` file at ``path``; None when there is no such file or
+    it cannot be read (the caller computes them again)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        with np.load(path) as stored:
+            return {name: stored[name] for name in names}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None
+
+
+def write_cache_file(path: Path | None, what: str, **arrays: np.ndarray) -> None:
+    """Store ``arrays`` at ``path`` atomically (processes computing them at once write the same
+    file); a cache that cannot be written is skipped with a warning naming ``what``."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with open(partial, "wb") as file:
+            np.savez(file, **arrays)
+        os.replace(partial, path)
+    except OSError as exc:
+        warnings.warn(f"{what} cache not written ({exc}); set {CACHE_ENV} to a writable folder, or to an "
+                      "empty value to turn the cache off", RuntimeWarning, stacklevel=3)
 
 
 def _synthetic_splits(cfg: DatasetConfig, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
