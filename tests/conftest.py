@@ -21,6 +21,21 @@ os.environ["FEDACT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedact-test-cache-")
 atexit.register(shutil.rmtree, os.environ["FEDACT_CACHE_DIR"], ignore_errors=True)
 
 
+# The test files that take longest (pytest --durations on a 2-core machine), slowest first. The
+# worker processes (pyproject.toml: pytest-xdist, a file per worker) are handed files in collection
+# order, so these go first: a long file started last keeps one worker busy while the others idle.
+SLOWEST_FILES = ("test_e2e.py", "test_deploy.py", "test_language_e2e.py", "test_fashion_mnist.py",
+                 "test_benchmarks.py", "test_engine_e2e.py", "test_resume_e2e.py", "test_reproducible_e2e.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+
+
 @pytest.fixture(scope="session")
 def flower_engine():
     """One local engine for this test process's end-to-end runs (fedact_app.cli.engine.LocalEngine:
