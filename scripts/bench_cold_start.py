@@ -18,8 +18,9 @@ ClientApp's train handler does for partition 0 in round 1 and times its phases:
 - warm round: the same round again in the same process, what a simulation client pays from
   its second round on.
 
-The first process starts with an empty partition cache (``FEDACT_CACHE_DIR`` in a new temporary
-folder), the others find the partition there, as a SuperNode does from its second message on.
+The first process starts with an empty cache (``FEDACT_CACHE_DIR`` in a new temporary folder),
+the others find the partition (and the digits split) there, as a SuperNode does from its second
+message on.
 Medians are over those others.
 """
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.overrides)))
         return 0
     if args.repeats < 2:
-        parser.error(f"--repeats {args.repeats}: need >= 2 (one with an empty partition cache, one with it filled)")
+        parser.error(f"--repeats {args.repeats}: need >= 2 (one with an empty cache, one with it filled)")
     runs = []
     with tempfile.TemporaryDirectory(prefix="fedact-cold-") as cache:
         env = {**os.environ, "FEDACT_CACHE_DIR": cache}

@@ -22,10 +22,17 @@ atexit.register(shutil.rmtree, os.environ["FEDACT_CACHE_DIR"], ignore_errors=Tru
 
 
 # The test files that take longest (pytest --durations on a 2-core machine), slowest first. The
-# worker processes (pyproject.toml: pytest-xdist, a file per worker) are handed files in collection
-# order, so these go first: a long file started last keeps one worker busy while the others idle.
+# worker processes (pyproject.toml: pytest-xdist, a file per worker, --no-loadscope-reorder) are
+# handed files in collection order, so these go first: a long file started last keeps one worker
+# busy while the others idle.
 SLOWEST_FILES = ("test_e2e.py", "test_deploy.py", "test_language_e2e.py", "test_fashion_mnist.py",
                  "test_benchmarks.py", "test_engine_e2e.py", "test_resume_e2e.py", "test_reproducible_e2e.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per CPU this process may run on (a container's limit, not the
+    host's count), at most 4: each worker runs its own engine (a SuperLink and a Ray cluster)."""
+    return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def pytest_collection_modifyitems(items):
@@ -43,9 +50,14 @@ def flower_engine():
     is faster than runs side by side, each paying for its own SuperLink and Ray. A run's clients
     train in one Ray actor unless the test asks for more (:class:`OneActorEngine`).
     tests/test_launch.py and tests/test_reproducible_e2e.py also run the app alone on a fresh
-    SuperLink, with Flower's default of one CPU (and so one actor) per client."""
-    with OneActorEngine() as engine:
+    SuperLink, with Flower's default of one CPU per client (one actor per CPU of the machine)."""
+    with OneActorEngine(num_cpus=ENGINE_CPUS) as engine:
         yield engine
+
+
+# CPUs of each worker's Ray cluster, whatever the machine: a OneActorEngine's actor holds them all,
+# and Ray gives an actor as many torch threads as it holds CPUs.
+ENGINE_CPUS = 2
 
 
 class OneActorEngine(LocalEngine):
@@ -53,8 +65,7 @@ class OneActorEngine(LocalEngine):
     cluster's CPUs unless ``num_cpus_per_client`` is passed: Flower then makes one Ray actor,
     and the clients of a round train one after another in it. Each further actor is a process
     that imports torch and the app (about 6 CPU-seconds of a 16-second digits run, measured
-    here), for test clients that compute for milliseconds. What a run computes does not depend
-    on the actor a client trains in (tests/test_reproducible_e2e.py)."""
+    here), for test clients that compute for milliseconds."""
 
     def run(self, app_dir, overrides="", num_supernodes=2, num_cpus_per_client=None, *args, **kwargs):
         cpus = self.num_cpus if num_cpus_per_client is None else num_cpus_per_client

@@ -305,7 +305,7 @@ def test_hub_dataset_offline_fails_fast_with_a_helpful_message(tmp_path):
     start = time.monotonic()
     with pytest.raises(splits.DatasetUnavailableError) as info:
         splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # no network retries
     message = str(info.value)
     assert "uoft-cs/cifar10" in message and "dataset.path=" in message and "offline" in message
     assert "'img'" in message and "'label'" in message

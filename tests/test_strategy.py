@@ -31,7 +31,7 @@ def test_exchange_returns_every_reply_soon_after_the_last_one_arrives():
     replies = exchange(grid, ["a", "b", "c"], timeout=30.0)
     waited = time.monotonic() - started
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
-    assert 0.6 <= waited < 0.6 + REPLY_POLL[1] + 0.5  # not Flower's 3 s between pulls
+    assert 0.6 <= waited < 0.6 + 1.5  # not Flower's 3 s between pulls (room for a loaded machine)
     assert grid.pulls <= 0.6 / REPLY_POLL[1] + 10  # the wait grows to its cap: no busy loop
 
 
@@ -40,7 +40,7 @@ def test_exchange_stops_at_the_timeout_with_the_replies_it_has():
     started = time.monotonic()
     replies = exchange(grid, ["a", "b"], timeout=0.5)
     assert [r.metadata.reply_to_message_id for r in replies] == ["m0"]
-    assert 0.5 <= time.monotonic() - started < 1.5
+    assert 0.5 <= time.monotonic() - started < 2.5  # not a further 3 s pull
 
 
 def test_exchange_without_messages_returns_at_once():

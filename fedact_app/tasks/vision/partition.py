@@ -86,7 +86,7 @@ def partition_cache_file(labels_bytes: bytes, num_partitions: int, name: str, al
 def _read_partition(path: Path | None, num_partitions: int, num_rows: int) -> list[np.ndarray] | None:
     """The partition stored at ``path``; None when there is none or it does not fit the data."""
     stored = read_cache_file(path, ("rows", "sizes"))
-    if stored is None:
+    if stored is None or any(a.dtype.kind not in "iu" for a in stored.values()):
         return None
     rows, sizes = stored["rows"].astype(np.int64), stored["sizes"].astype(np.int64)
     if (sizes.shape != (num_partitions,) or (sizes < 0).any() or sizes.sum() != rows.size

@@ -6,7 +6,8 @@ Sources (``dataset.name`` / ``dataset.path`` / ``dataset.hub_path``):
 
 - ``digits``: scikit-learn's ``load_digits()`` (1,797 real 8x8 digits shipped in the wheel),
   pixel values / 16 in [0, 1], split 80/20 stratified with a fixed ``random_state``
-  (:data:`DIGITS_SPLIT_SEED`, independent of the run's seed so every run tests on the same 360).
+  (:data:`DIGITS_SPLIT_SEED`, independent of the run's seed so every run tests on the same 360);
+  kept on disk after the first process computed it (:func:`_digits_arrays`).
 - ``synthetic``: class-conditional images, one random mean pattern per class plus Gaussian noise,
   clipped to [0, 1]; deterministic for the seed; learnable (for tests and smoke runs).
 - hub datasets (``dataset.path`` null): ``datasets.load_dataset(dataset.hub_path)`` with
@@ -37,6 +38,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -94,6 +96,7 @@ def _digits_splits() -> tuple[datasets.Dataset, datasets.Dataset]:
 
 
 DIGITS_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+DIGITS_CACHE_FORMAT = 1  # raise it whenever _digits_arrays prepares the arrays differently
 
 
 def _digits_arrays() -> dict[str, np.ndarray]:
@@ -101,11 +104,12 @@ def _digits_arrays() -> dict[str, np.ndarray]:
     computed with scikit-learn and stored there. Importing scikit-learn costs about 1 s of CPU in
     every new process that reads the data (the ServerApp's, each Ray actor's and, in a deployment,
     each message's ClientApp); the file is 0.5 MB. Its name hashes the versions of scikit-learn
-    and numpy and the split's settings."""
+    and numpy, the split's settings and :data:`DIGITS_CACHE_FORMAT`."""
     from importlib.metadata import version
 
     folder = cache_folder("digits")
-    settings = (version("scikit-learn"), np.__version__, DIGITS_TEST_FRACTION, DIGITS_SPLIT_SEED)
+    settings = (version("scikit-learn"), np.__version__, DIGITS_TEST_FRACTION, DIGITS_SPLIT_SEED,
+                DIGITS_CACHE_FORMAT)
     path = None if folder is None else folder / f"split-{hashlib.sha256(repr(settings).encode()).hexdigest()[:32]}.npz"
     stored = read_cache_file(path, DIGITS_ARRAYS)
     if stored is not None and _fits_digits(stored):
@@ -128,8 +132,8 @@ def _fits_digits(arrays: dict[str, np.ndarray]) -> bool:
     """Whether stored arrays have the digits split's shapes, types and value ranges."""
     x_tr, y_tr, x_te, y_te = (arrays[name] for name in DIGITS_ARRAYS)
     return (x_tr.dtype == x_te.dtype == np.float32 and y_tr.dtype == y_te.dtype == np.int64
-            and x_tr.shape[1:] == x_te.shape[1:] == (1, 8, 8) and len(x_tr) == len(y_tr)
-            and len(x_te) == len(y_te) and len(x_tr) + len(x_te) == 1797
+            and x_tr.shape[1:] == x_te.shape[1:] == (1, 8, 8) and len(x_tr) == len(y_tr) > 0
+            and len(x_te) == len(y_te) > 0 and len(x_tr) + len(x_te) == 1797
             and all(0 <= a.min() and a.max() <= (1 if a.dtype == np.float32 else 9) for a in arrays.values()))
 
 
@@ -152,7 +156,7 @@ def read_cache_file(path: Path | None, names: Sequence[str]) -> dict[str, np.nda
     try:
         with np.load(path) as stored:
             return {name: stored[name] for name in names}
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):  # TypeError: a .npy file
         return None
 
 
@@ -161,13 +165,14 @@ def write_cache_file(path: Path | None, what: str, **arrays: np.ndarray) -> None
     file); a cache that cannot be written is skipped with a warning naming ``what``."""
     if path is None:
         return
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         with open(partial, "wb") as file:
             np.savez(file, **arrays)
         os.replace(partial, path)
     except OSError as exc:
+        partial.unlink(missing_ok=True)
         warnings.warn(f"{what} cache not written ({exc}); set {CACHE_ENV} to a writable folder, or to an "
                       "empty value to turn the cache off", RuntimeWarning, stacklevel=3)
 
