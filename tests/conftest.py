@@ -21,26 +21,26 @@ os.environ["FEDACT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedact-test-cache-")
 atexit.register(shutil.rmtree, os.environ["FEDACT_CACHE_DIR"], ignore_errors=True)
 
 
-# The test files that take longest (pytest --durations on a 2-core machine), slowest first. The
-# worker processes (pyproject.toml: pytest-xdist, a file per worker, --no-loadscope-reorder) are
-# handed files in collection order, so these go first: a long file started last keeps one worker
-# busy while the others idle.
-SLOWEST_FILES = ("test_e2e.py", "test_deploy.py", "test_language_e2e.py", "test_fashion_mnist.py",
-                 "test_benchmarks.py", "test_engine_e2e.py", "test_resume_e2e.py", "test_reproducible_e2e.py")
-
-
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per CPU this process may run on (a container's limit, not the
-    host's count), at most 4: each worker runs its own engine (a SuperLink and a Ray cluster)."""
+    host's count), at most 4."""
     return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.name
-        return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
-
-    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+    """Group the tests for the worker processes (pyproject.toml: pytest-xdist ``--dist loadgroup``):
+    every file that starts real Flower processes (a test marked ``e2e``) in one group, run first
+    and one test after another on one worker, as without workers; every other file in a group of
+    its own (its module fixtures run once). The unit tests then run on the other workers beside
+    the Flower runs, in the third of two cores those leave idle while Flower's processes start
+    and stop. Flower runs of two workers side by side (each worker's own SuperLink and Ray
+    cluster) once failed a run here: its ``flwr-simulation`` went silent after installing the
+    app and the SuperLink failed it for a missing heartbeat; so they stay on one worker."""
+    flower_files = {item.path for item in items if item.get_closest_marker("e2e")}
+    items.sort(key=lambda item: item.path not in flower_files)  # stable: the order within is kept
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("flower" if item.path in flower_files else item.path.name))
 
 
 @pytest.fixture(scope="session")
