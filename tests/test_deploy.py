@@ -411,7 +411,7 @@ def test_up_refuses_a_superlink_listening_anywhere_else(tmp_path, monkeypatch):
     with pytest.raises(lc.ClusterError, match=r"superlink .* listens on .*0\.0\.0\.0:9093") as err:
         lc.up(tmp_path / "cluster", nodes=1, env=env, cwd=tmp_path, timeout=60, quiet=True)
     pid = int(re.search(r"pid (\d+)", str(err.value)).group(1))
-    assert lc._start_time(pid) is None  # stopped
+    assert lc.start_time(pid) is None  # stopped
     assert not (tmp_path / "cluster" / "cluster.json").exists()
 
 
@@ -465,9 +465,9 @@ def test_cluster_status_and_down_stop_every_process(deployment):
     assert len(tree) >= 5  # SuperLink + its SuperExec, 2 SuperNodes + their SuperExecs
     lc.down(cluster, quiet=True)
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(lc._start_time(pid) is not None for pid in tree):
+    while time.monotonic() < deadline and any(lc.start_time(pid) is not None for pid in tree):
         time.sleep(0.2)
-    assert [pid for pid in tree if lc._start_time(pid) is not None] == []
+    assert [pid for pid in tree if lc.start_time(pid) is not None] == []
     assert not (Path(cluster.dir) / "cluster.json").exists()
     assert (Path(cluster.dir) / "logs" / "superlink.log").stat().st_size > 0
 

@@ -353,6 +353,31 @@ def test_pid_alive() -> None:
     assert pid_alive(os.getpid())
 
 
+def test_stop_tree_kills_what_it_noted_and_spares_a_process_given_a_noted_pid_later() -> None:
+    """Linux reuses pids (pid_max is often 32768, threads included): a pid noted as part of a
+    tree may belong to another process when the tree is stopped, and must not be signalled."""
+    import time
+
+    from fedact_app.cli import procs
+
+    daemon = "import subprocess, time; subprocess.Popen(['sleep', '60'], start_new_session=True); time.sleep(60)"
+    root = subprocess.Popen([sys.executable, "-c", daemon])
+    other = subprocess.Popen(["sleep", "60"])  # stands for a process that got a noted pid later
+    try:
+        deadline = time.monotonic() + 30
+        while not (tree := procs.descendants(root.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = tree  # in its own session: it outlives root unless stop_tree finds it
+        procs._START_TIMES[other.pid] = procs.start_time(other.pid) - 1  # noted: an earlier process
+        procs.stop_tree(root, tree | {other.pid}, grace=2.0)
+        assert root.poll() is not None and not pid_alive(child)
+        assert other.poll() is None, "a process holding a reused pid was signalled"
+    finally:
+        for proc in (root, other):
+            proc.kill()
+            proc.wait()
+
+
 def test_sigterm_becomes_system_exit_during_a_run() -> None:
     import signal
 

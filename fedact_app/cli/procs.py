@@ -38,12 +38,32 @@ def kill_quietly(pid: int, sig: int) -> None:
         pass
 
 
+# Start time of every process descendants() found, by pid: a pid noted earlier (a Ray worker,
+# a run's flwr-simulation) may belong to another process by the time a tree is stopped. Linux
+# reuses pids once pid_max (often 32768, threads included) is used up, which a test session or a
+# sweep does within minutes; signalling a reused pid killed another engine's run.
+_START_TIMES: dict[int, int] = {}
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid``'s process started (``/proc/<pid>/stat`` field 22, clock ticks after boot),
+    None if it is gone, a zombie or unreadable: with the pid, it names one process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def descendants(root: int) -> set[int]:
-    """All current descendants of ``root`` (Linux /proc; empty elsewhere)."""
+    """All current descendants of ``root`` (Linux /proc; empty elsewhere); their start times are
+    noted so that :func:`stop_tree` never signals another process given one of their pids."""
     children: dict[int, list[int]] = {}
+    started: dict[int, int] = {}
     for entry in Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else ():
         try:
-            ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            fields = Path(entry, "stat").read_text().rsplit(")", 1)[1].split()
+            ppid, started[int(entry.name)] = int(fields[1]), int(fields[19])
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
@@ -54,7 +74,14 @@ def descendants(root: int) -> set[int]:
             if child not in found:
                 found.add(child)
                 stack.append(child)
+    _START_TIMES.update({pid: started[pid] for pid in found})
     return found
+
+
+def same_process(pid: int) -> bool:
+    """True if ``pid`` is alive and is the process :func:`descendants` found under that pid (any
+    live process when that pid was never found, or without /proc)."""
+    return pid_alive(pid) and (pid not in _START_TIMES or start_time(pid) in (_START_TIMES[pid], None))
 
 
 def stop_tree(proc: subprocess.Popen, seen: set[int], grace: float) -> tuple[int, ...]:
@@ -77,19 +104,19 @@ def stop_tree(proc: subprocess.Popen, seen: set[int], grace: float) -> tuple[int
         if not _signal_leftovers(seen, sig):
             break
         until = time.monotonic() + grace
-        while time.monotonic() < until and any(pid_alive(p) for p in seen):
+        while time.monotonic() < until and any(same_process(p) for p in seen):
             time.sleep(0.1)
     return tuple(sorted(seen | {proc.pid}))
 
 
 def _signal_leftovers(seen: set[int], sig: int) -> bool:
     own_group = os.getpgrp()
-    alive = [p for p in seen if pid_alive(p)]
+    alive = [p for p in seen if same_process(p)]
     groups = {g for p in alive if (g := _pgid(p)) is not None and g != own_group}
     for pid in alive:  # their children too, before they are re-parented away
         seen |= descendants(pid)
     for target in sorted(seen):
-        if pid_alive(target):
+        if same_process(target):
             kill_quietly(target, sig)
     for group in groups:
         try:

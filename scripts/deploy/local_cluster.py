@@ -66,7 +66,7 @@ from typing import Any
 from fedact_app.cli.flwr import (LaunchError, console_script, follow_run, free_port, json_payload, run_flwr,
                                  strip_ansi, submit_run, write_connection)
 from fedact_app.cli import flwr as flwr_cli
-from fedact_app.cli.procs import descendants, kill_quietly, pid_alive
+from fedact_app.cli.procs import descendants, kill_quietly, pid_alive, start_time
 
 HERE = Path(__file__).resolve().parent
 CONNECTION = "fedact-local"
@@ -493,7 +493,7 @@ def down(cluster: Cluster | str | Path, *, quiet: bool = False, grace: float = S
     tree: dict[int, int | None] = {}  # pid -> start time (None: unknown)
     node_tree: dict[int, int | None] = {}
     for proc in roots:
-        sub = {proc.pid: proc.start_time, **{pid: _start_time(pid) for pid in descendants(proc.pid)}}
+        sub = {proc.pid: proc.start_time, **{pid: start_time(pid) for pid in descendants(proc.pid)}}
         tree.update(sub)
         if proc is not cluster.superlink:
             node_tree.update(sub)
@@ -507,7 +507,7 @@ def down(cluster: Cluster | str | Path, *, quiet: bool = False, grace: float = S
         if not left:
             break
         for pid in left:  # newly spawned children of what is left
-            tree.update({c: _start_time(c) for c in descendants(pid) if c not in tree})
+            tree.update({c: start_time(c) for c in descendants(pid) if c not in tree})
         for pid, start in tree.items():
             if _same_process(pid, start):
                 kill_quietly(pid, sig)
@@ -540,7 +540,7 @@ def _spawn(name: str, cmd: list[str], log: Path, port: int, env: dict[str, str],
             cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)  # own process group; Ctrl-C in our terminal does not reach it
     _POPENS[popen.pid] = popen  # reaped in down(); when this process exits first, init reaps
-    start = _start_time(popen.pid)
+    start = start_time(popen.pid)
     return Proc(name=name, pid=popen.pid, start_time=start if start is not None else -1, cmd=cmd,
                 log=str(log), port=port)
 
@@ -586,21 +586,12 @@ def tail(path: str, lines: int = 30) -> str:
     return "\n".join(_clean(_read(path)).splitlines()[-lines:])
 
 
-def _start_time(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
-def _same_process(pid: int, start_time: int | None) -> bool:
-    """``pid`` is alive (not a zombie) and, where known, started at ``start_time``."""
+def _same_process(pid: int, started: int | None) -> bool:
+    """``pid`` is alive (not a zombie) and, where known, started at ``started``."""
     if not Path("/proc").is_dir():  # no /proc: fall back to "some process has this pid"
         return pid_alive(pid)
-    now = _start_time(pid)
-    return now is not None and (start_time is None or start_time < 0 or now == start_time)
+    now = start_time(pid)
+    return now is not None and (started is None or started < 0 or now == started)
 
 
 def _killpg(leader: int, sig: int) -> None:
