@@ -35,8 +35,10 @@ def pytest_collection_modifyitems(items):
     its own (its module fixtures run once). The unit tests then run on the other workers beside
     the Flower runs, in the third of two cores those leave idle while Flower's processes start
     and stop. Flower runs of two workers side by side (each worker's own SuperLink and Ray
-    cluster) once failed a run here: its ``flwr-simulation`` went silent after installing the
-    app and the SuperLink failed it for a missing heartbeat; so they stay on one worker."""
+    cluster) once failed a run here: its ``flwr-simulation`` died silently after installing the
+    app and the SuperLink failed it for a missing heartbeat (likely another worker's stop_tree
+    signalling a reused pid, since fixed, but not shown: docs/PERFORMANCE.md); so they stay on
+    one worker."""
     flower_files = {item.path for item in items if item.get_closest_marker("e2e")}
     items.sort(key=lambda item: item.path not in flower_files)  # stable: the order within is kept
     for item in items:
