@@ -45,18 +45,6 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group("flower" if item.path in flower_files else item.path.name))
 
 
-@pytest.fixture(scope="session")
-def flower_engine():
-    """One local engine for this test process's end-to-end runs (fedact_app.cli.engine.LocalEngine:
-    one SuperLink and one Ray cluster, runs one after another), as a sweep uses it: on 2 cores that
-    is faster than runs side by side, each paying for its own SuperLink and Ray. A run's clients
-    train in one Ray actor unless the test asks for more (:class:`OneActorEngine`).
-    tests/test_launch.py and tests/test_reproducible_e2e.py also run the app alone on a fresh
-    SuperLink, with Flower's default of one CPU per client (one actor per CPU of the machine)."""
-    with OneActorEngine(num_cpus=ENGINE_CPUS) as engine:
-        yield engine
-
-
 # CPUs of each worker's Ray cluster, whatever the machine: a OneActorEngine's actor holds them all,
 # and Ray gives an actor as many torch threads as it holds CPUs.
 ENGINE_CPUS = 2
@@ -72,6 +60,18 @@ class OneActorEngine(LocalEngine):
     def run(self, app_dir, overrides="", num_supernodes=2, num_cpus_per_client=None, *args, **kwargs):
         cpus = self.num_cpus if num_cpus_per_client is None else num_cpus_per_client
         return super().run(app_dir, overrides, num_supernodes, cpus, *args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def flower_engine():
+    """One local engine for this test process's end-to-end runs (fedact_app.cli.engine.LocalEngine:
+    one SuperLink and one Ray cluster, runs one after another), as a sweep uses it: on 2 cores that
+    is faster than runs side by side, each paying for its own SuperLink and Ray. A run's clients
+    train in one Ray actor unless the test asks for more (:class:`OneActorEngine`).
+    tests/test_launch.py and tests/test_reproducible_e2e.py also run the app alone on a fresh
+    SuperLink, with Flower's default of one CPU per client (one actor per CPU of the machine)."""
+    with OneActorEngine(num_cpus=ENGINE_CPUS) as engine:
+        yield engine
 
 
 class FakeEngine:

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 import datasets
-from fedact_app.tasks.vision import data, partition, splits
+from fedact_app.tasks.vision import cache, data, partition, splits
 from fedact_app.tasks.vision.batches import BatchStream, _same_device, test_batches
 from fedact_app.tasks.vision.tensors import ImageTensors, to_image_tensors
 from fedact_app.train import batch_generator
@@ -108,7 +108,7 @@ LABELS = np.repeat(np.arange(10), 200)  # sorted by class, as an image folder is
 
 @pytest.mark.parametrize("part", [PartitionConfig(name="iid"), PartitionConfig(name="dirichlet", alpha=0.3)])
 def test_partitions_deterministic_disjoint_covering(part, monkeypatch):
-    monkeypatch.setenv(splits.CACHE_ENV, "")  # draw twice, not draw and read back
+    monkeypatch.setenv(cache.CACHE_ENV, "")  # draw twice, not draw and read back
     first = partition.partition_indices(LABELS, 10, part, seed=42)
     data.clear_caches()
     again = partition.partition_indices(LABELS, 10, part, seed=42)
@@ -135,7 +135,7 @@ def test_dirichlet_skew_grows_as_alpha_shrinks_and_iid_is_uniform():
 
 
 def test_a_partition_is_kept_on_disk_and_read_back_by_the_next_process(tmp_path, monkeypatch):
-    monkeypatch.setenv(splits.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     part = PartitionConfig(name="dirichlet", alpha=0.3)
     drawn = partition.partition_indices(LABELS, 10, part, seed=42)
     (stored,) = (tmp_path / "partitions").iterdir()
@@ -194,7 +194,7 @@ def test_the_digits_split_is_kept_on_disk_and_read_back_without_scikit_learn(tmp
 
 
 def test_the_caches_are_off_with_an_empty_folder_name(tmp_path, monkeypatch):
-    monkeypatch.setenv(splits.CACHE_ENV, "")
+    monkeypatch.setenv(cache.CACHE_ENV, "")
     monkeypatch.setenv("HOME", str(tmp_path))  # the default folder would be under here
     partition.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)
     splits._digits_arrays()

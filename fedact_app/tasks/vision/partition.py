@@ -15,7 +15,8 @@ import datasets
 import numpy as np
 
 from fedact_app.config import Config, ConfigError, PartitionConfig
-from fedact_app.tasks.vision.splits import LABEL, cache_folder, read_cache_file, write_cache_file
+from fedact_app.tasks.vision.cache import cache_folder, read_cache_file, write_cache_file
+from fedact_app.tasks.vision.splits import LABEL
 
 
 def partition_indices(
@@ -64,7 +65,7 @@ def _partition_cached(
 def partition_cache_file(labels_bytes: bytes, num_partitions: int, name: str, alpha: float,
                          min_size: int, seed: int) -> Path | None:
     """Where a partition is kept between processes, or None when the cache is off
-    (:func:`~.splits.cache_folder`).
+    (:func:`~.cache.cache_folder`).
 
     A Flower 1.41 deployment runs every message in a new ClientApp process, which would import
     flwr-datasets and draw the whole partition again each round (1-2.5 s for CIFAR-100 on
@@ -96,7 +97,7 @@ def _read_partition(path: Path | None, num_partitions: int, num_rows: int) -> li
 
 
 def _write_partition(path: Path | None, parts: Sequence[np.ndarray]) -> None:
-    """Store a partition at ``path`` (:func:`~.splits.write_cache_file`)."""
+    """Store a partition at ``path`` (:func:`~.cache.write_cache_file`)."""
     write_cache_file(path, "Partition", rows=np.concatenate(parts), sizes=np.array([p.size for p in parts]))
 
 

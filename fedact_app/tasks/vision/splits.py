@@ -38,9 +38,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import threading
-import warnings
-import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -49,6 +46,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from fedact_app.config import ConfigError, DatasetConfig
+from fedact_app.tasks.vision.cache import cache_folder, read_cache_file, write_cache_file
 from fedact_app.tasks.hub import HubUnavailableError, unavailable_message
 
 DIGITS_SPLIT_SEED = 0  # fixed: the digits train/test split never depends on the run's seed
@@ -100,7 +98,7 @@ DIGITS_CACHE_FORMAT = 1  # raise it whenever _digits_arrays prepares the arrays 
 
 
 def _digits_arrays() -> dict[str, np.ndarray]:
-    """The digits split as arrays: read from the cache on disk (:func:`cache_folder`), else
+    """The digits split as arrays: read from the cache on disk (:mod:`.cache`), else
     computed with scikit-learn and stored there. Importing scikit-learn costs about 1 s of CPU in
     every new process that reads the data (the ServerApp's, each Ray actor's and, in a deployment,
     each message's ClientApp); the file is 0.5 MB. Its name hashes the versions of scikit-learn
@@ -135,46 +133,6 @@ def _fits_digits(arrays: dict[str, np.ndarray]) -> bool:
             and x_tr.shape[1:] == x_te.shape[1:] == (1, 8, 8) and len(x_tr) == len(y_tr) > 0
             and len(x_te) == len(y_te) > 0 and len(x_tr) + len(x_te) == 1797
             and all(0 <= a.min() and a.max() <= (1 if a.dtype == np.float32 else 9) for a in arrays.values()))
-
-
-CACHE_ENV = "FEDACT_CACHE_DIR"
-
-
-def cache_folder(kind: str) -> Path | None:
-    """``$FEDACT_CACHE_DIR/<kind>`` (default ``~/.cache/fedact/<kind>``): where data that a run
-    derives deterministically (a digits split, a partition) is kept between processes; None when
-    the variable is set to an empty value (the cache is off)."""
-    root = os.environ.get(CACHE_ENV, os.path.join("~", ".cache", "fedact"))
-    return Path(root).expanduser() / kind if root else None
-
-
-def read_cache_file(path: Path | None, names: Sequence[str]) -> dict[str, np.ndarray] | None:
-    """The arrays ``names`` of the ``.npz`` file at ``path``; None when there is no such file or
-    it cannot be read (the caller computes them again)."""
-    if path is None or not path.is_file():
-        return None
-    try:
-        with np.load(path) as stored:
-            return {name: stored[name] for name in names}
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):  # TypeError: a .npy file
-        return None
-
-
-def write_cache_file(path: Path | None, what: str, **arrays: np.ndarray) -> None:
-    """Store ``arrays`` at ``path`` atomically (processes computing them at once write the same
-    file); a cache that cannot be written is skipped with a warning naming ``what``."""
-    if path is None:
-        return
-    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(partial, "wb") as file:
-            np.savez(file, **arrays)
-        os.replace(partial, path)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        warnings.warn(f"{what} cache not written ({exc}); set {CACHE_ENV} to a writable folder, or to an "
-                      "empty value to turn the cache off", RuntimeWarning, stacklevel=3)
 
 
 def _synthetic_splits(cfg: DatasetConfig, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
