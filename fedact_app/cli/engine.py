@@ -46,7 +46,7 @@ from fedact_app.cli.ray_cluster import RayCluster
 from fedact_app.cli.superlink import SimulationSuperLink
 
 STARTUP_TIMEOUT = 120.0  # seconds for the Ray cluster and the SuperLink to start
-CONNECTION = "fedact-launch"  # name of the only connection in the engine's config.toml
+CONNECTION = "fedact-launch"  # the only connection in the engine's config.toml (`flwr ls` while it runs)
 BASE_ENV = {
     **flwr.BASE_ENV,
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -281,8 +281,9 @@ class LocalEngine:
             "client-resources-num-gpus": float(num_gpus),
             **(federation_config or {}),
         }
+        control = self.control
         try:
-            run_id = flwr.submit_run(home, app_path, CONNECTION, config, federation_config=fed, env=self.env)
+            run_id = control.start_run(app_path, config, federation_config=fed)
         except LaunchError as err:
             raise LaunchError(f"{err}\n--- SuperLink output ---\n{link.output_tail()}") from None
 
@@ -291,9 +292,11 @@ class LocalEngine:
                 return None
             return f"the SuperLink exited (rc={link.proc.returncode}):\n{link.output_tail()}"
 
-        run = flwr.follow_run(home, CONNECTION, run_id, home / f"run-{run_id}.log", deadline=deadline,
+        log_path = home / f"run-{run_id}.log"
+        run = flwr.follow_run(home, CONNECTION, run_id, log_path, deadline=deadline,
                               poll_interval=poll_interval, env=self.env, superlink_gone=gone,
-                              status_of=self.control.run_status)
+                              status_of=control.run_status,
+                              open_stream=lambda: control.log_stream(run_id, log_path))
         if run.timed_out:
             self._stop_run(run_id)
         return RunResult(run_id=run_id, status=run.status, completed=run.status == "finished:completed",

@@ -8,10 +8,12 @@ and ``scripts/deploy/local_cluster.py`` need them.
   JSON object of its ``--format json`` output;
 - :func:`toml_value`, :func:`toml_table` - run-config values as TOML (a run config is passed as a
   file, which sidesteps all shell/regex quoting of ``--run-config "k='v'"``);
-- :func:`submit_run` (``flwr run``), :func:`run_status` (``flwr ls --run-id``), :class:`ControlClient`
-  (the same status from this process) and :func:`follow_run`: ``flwr log --stream`` until the run
-  finishes, with the status as the source of truth (``flwr run --stream`` exits 0 even for a failed
-  run).
+- :func:`submit_run` (``flwr run``), :func:`run_status` (``flwr ls --run-id``), :class:`CliLogStream`
+  (``flwr log --stream``): each a new Python process, as a user runs them (a deployment with TLS);
+- :class:`ControlClient`: the same three from this process through Flower's own Control API client
+  (a local, insecure SuperLink: the engine's), without a Python process (about a CPU-second) each;
+- :func:`follow_run`: a run's log stream until the run finishes, with the status as the source of
+  truth (``flwr run --stream`` exits 0 even for a failed run).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 CLI_TIMEOUT = 60.0  # seconds for one short flwr CLI call (run / ls / register)
 BASE_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
@@ -112,6 +115,16 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"unsupported run-config value {value!r} ({type(value).__name__})")
 
 
+def toml_loads(text: str) -> dict[str, Any]:
+    """TOML text as a dict (``tomllib``; ``tomli`` before Python 3.11); ``TOMLDecodeError`` (a
+    ValueError) for bad TOML."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: Flower's own dependency
+        import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib.loads(text)
+
+
 def toml_table(config: Mapping[str, Any], prefix: str = "") -> str:
     """Flat TOML for a run config; nested mappings become dotted keys (Flower flattens them)."""
     lines = []
@@ -170,19 +183,143 @@ def run_status(home: Path, connection: str, run_id: int | str, *, env: Mapping[s
     return str(runs[0].get("status", "unknown")), str(runs[0].get("status-details", ""))
 
 
+def _control_http_client(address: str) -> Any:
+    """Flower 1.41's own Control API client (``flwr.supercore.control``) for a local, insecure
+    SuperLink, made as its CLI makes it."""
+    from flwr.supercore.control import ControlHttpClient
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+    return ControlHttpClient.from_server_address(
+        server_address=address, insecure=True, root_certificates=None,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+
+
+class LogStream(Protocol):
+    """A run's log streamed into a file until the SuperLink ends the stream (at the end of the run)."""
+
+    def ended(self) -> bool:
+        """True once the stream has ended (the run finished, or the stream broke)."""
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the stream to end."""
+
+    def stop(self) -> None:
+        """End the stream now, if it has not ended."""
+
+
+class CliLogStream:
+    """``flwr log RUN_ID CONNECTION --stream`` into ``log_path``, ``stderr`` where its stderr goes."""
+
+    def __init__(self, home: Path, connection: str, run_id: int | str, log_path: Path, *,
+                 env: Mapping[str, str] | None = None, stderr: int = subprocess.DEVNULL) -> None:
+        with log_path.open("wb") as out:
+            self._proc = subprocess.Popen(  # noqa: S603
+                [console_script("flwr"), "log", str(run_id), connection, "--stream"], cwd=home,
+                env=flwr_env(home, env), stdin=subprocess.DEVNULL, stdout=out, stderr=stderr)
+
+    def ended(self) -> bool:
+        return self._proc.poll() is not None
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class ControlLogStream:
+    """The Control API's StreamLogs into ``log_path``, read by a thread of this process: what
+    ``flwr log --stream`` writes to its stdout (each reply's ``log_output``), without its process.
+    The stream has a client of its own, so that :meth:`stop` can close it under the reading thread."""
+
+    def __init__(self, address: str, run_id: int | str, log_path: Path) -> None:
+        self._client = _control_http_client(address)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(int(run_id), log_path), daemon=True,
+                                        name=f"flwr-log-{run_id}")
+        self._thread.start()
+
+    def _read(self, run_id: int, log_path: Path) -> None:
+        from flwr.proto.control_pb2 import StreamLogsRequest
+
+        try:
+            with log_path.open("w", encoding="utf-8") as out:
+                for reply in self._client.StreamLogs(StreamLogsRequest(run_id=run_id, after_timestamp=0.0)):
+                    out.write(reply.log_output)
+                    out.flush()
+        except Exception:  # noqa: BLE001, S110 - a broken or stopped stream has ended; the status says why
+            pass
+        finally:
+            self._client.close()
+            self._done.set()
+
+    def ended(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> None:
+        self._done.wait(timeout)
+
+    def stop(self) -> None:
+        if not self._done.is_set():
+            self._client.close()  # the reading thread's next read fails, and it ends
+            self._done.wait(2.0)
+
+
 class ControlClient:
-    """Flower's Control API of a local, insecure SuperLink, called from this process: a run's status
-    in milliseconds, where each ``flwr ls`` is a new Python process (about 1 CPU-second, taken from
-    the runs on a small machine). Flower 1.41's own client (``flwr.supercore.control``), as its CLI
-    uses it."""
+    """Flower's Control API of a local, insecure SuperLink, called from this process: a run started
+    (:meth:`start_run`), its status (:meth:`run_status`) and its log (:meth:`log_stream`) without the
+    ``flwr run``, ``flwr ls`` and ``flwr log`` processes, each about a CPU-second taken from the runs
+    on a small machine. Flower 1.41's own client and request builders, as its CLI uses them."""
 
     def __init__(self, address: str) -> None:
-        from flwr.supercore.control import ControlHttpClient
-        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+        self.address = address
+        self._client = _control_http_client(address)
 
-        self._client = ControlHttpClient.from_server_address(
-            server_address=address, insecure=True, root_certificates=None,
-            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+    def start_run(self, app: Path, run_config: Mapping[str, Any], *,
+                  federation_config: Mapping[str, Any] | None = None) -> int:
+        """What ``flwr run APP CONNECTION --run-config FILE --federation-config ...`` sends (the app's
+        ``pyproject.toml`` checked, its FAB built, the run config read as :func:`toml_table`'s TOML);
+        the run id, or LaunchError with Flower's message."""
+        import hashlib
+
+        import click
+        from flwr.cli.build import build_fab_from_disk
+        from flwr.cli.config_utils import load_and_validate
+        from flwr.cli.utils import flwr_cli_exc_handler
+        from flwr.common.config import flatten_dict
+        from flwr.common.serde import fab_to_proto, user_config_to_proto
+        from flwr.proto.control_pb2 import StartRunRequest
+        from flwr.supercore.fab import Fab
+        from flwr.supercore.utils import simulation_config_from_json
+
+        try:
+            load_and_validate(app / "pyproject.toml")
+            fab_bytes = build_fab_from_disk(app)
+            federation = None
+            if federation_config:
+                parsed = toml_loads(toml_table(federation_config))
+                federation = simulation_config_from_json({k.replace("-", "_"): v for k, v in parsed.items()})
+            request = StartRunRequest(
+                fab=fab_to_proto(Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})),
+                override_config=user_config_to_proto(flatten_dict(toml_loads(toml_table(run_config)))),
+                federation="", override_federation_config=federation, app_spec="")
+            with flwr_cli_exc_handler():
+                reply = self._client.StartRun(request)
+        except (click.ClickException, ValueError) as err:
+            message = err.format_message() if isinstance(err, click.ClickException) else str(err)
+            raise LaunchError(f"the SuperLink did not start a run of {app}: {strip_ansi(message)}") from None
+        if not reply.HasField("run_id"):
+            raise LaunchError(f"the SuperLink did not start a run of {app}: no run id in its reply")
+        return int(reply.run_id)
+
+    def log_stream(self, run_id: int | str, log_path: Path) -> ControlLogStream:
+        """The run's log streamed into ``log_path`` (:class:`ControlLogStream`)."""
+        return ControlLogStream(self.address, run_id, log_path)
 
     def stop_run(self, run_id: int | str) -> None:
         """Ask the SuperLink to stop a run (``flwr stop``); a failure is ignored (the caller goes on
@@ -231,30 +368,29 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     poll_interval: float, env: Mapping[str, str] | None = None,
     superlink_gone: Callable[[], str | None] = lambda: None, stream_stderr: int = subprocess.DEVNULL,
     status_of: Callable[[int | str], tuple[str, str]] | None = None,
+    open_stream: Callable[[], LogStream] | None = None,
 ) -> FollowedRun:
     """Follow a run until it finishes or ``deadline`` (``time.monotonic()``) passes, its log going to
     ``log_path``.
 
-    The ``flwr log --stream`` process ends by itself once the run is finished (the server closes the
-    stream), so it is both the log collector and the cheap "maybe finished" signal; the status is
-    asked when the stream ends and every ``poll_interval`` seconds as a safety net. A stream that ends before the run does (not started yet, a
-    hiccup) is opened again; it replays the log from the start. ``superlink_gone()`` says why
-    following is pointless (the SuperLink exited), None while it is not; ``stream_stderr`` is where
-    the stream's stderr goes (``subprocess.STDOUT``: into the log). ``status_of(run_id)`` gives the
-    status (default: :func:`run_status`, a ``flwr ls`` process, about a CPU-second each; a local
-    engine passes :meth:`ControlClient.run_status`, cheap enough to ask every half second).
+    The log stream ends by itself once the run is finished (the server closes it), so it is both
+    the log collector and the cheap "maybe finished" signal; the status is asked when the stream
+    ends and every ``poll_interval`` seconds as a safety net. A stream that ends before the run does
+    (not started yet, a hiccup) is opened again; it replays the log from the start.
+    ``superlink_gone()`` says why following is pointless (the SuperLink exited), None while it is
+    not. ``status_of(run_id)`` gives the status (default: :func:`run_status`, a ``flwr ls`` process,
+    about a CPU-second each) and ``open_stream()`` opens the log stream into ``log_path`` (default: a
+    :class:`CliLogStream`, its stderr to ``stream_stderr``; ``subprocess.STDOUT``: into the log); a
+    local engine passes :class:`ControlClient`'s, cheap enough to ask every half second.
     """
     if status_of is None:
         def status_of(run: int | str) -> tuple[str, str]:
             return run_status(home, connection, run, env=env)
+    if open_stream is None:
+        def open_stream() -> LogStream:
+            return CliLogStream(home, connection, run_id, log_path, env=env, stderr=stream_stderr)
 
-    def follow() -> subprocess.Popen[bytes]:
-        with log_path.open("wb") as out:
-            return subprocess.Popen(  # noqa: S603
-                [console_script("flwr"), "log", str(run_id), connection, "--stream"], cwd=home,
-                env=flwr_env(home, env), stdin=subprocess.DEVNULL, stdout=out, stderr=stream_stderr)
-
-    streamer = follow()
+    streamer = open_stream()
     status, details = "unknown", ""
     try:
         next_poll = time.monotonic() + poll_interval
@@ -263,7 +399,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
             if why is not None:
                 details = why
                 break
-            ended = streamer.poll() is not None
+            ended = streamer.ended()
             if ended or time.monotonic() >= next_poll:
                 status, details = status_of(run_id)
                 next_poll = time.monotonic() + poll_interval
@@ -271,24 +407,21 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
                     break
                 if ended:
                     time.sleep(1.0)
-                    streamer = follow()
+                    streamer = open_stream()
                     continue
             time.sleep(0.25)
         finished = status.startswith("finished")
         timed_out = not finished and time.monotonic() >= deadline
         if finished:  # the server ends the stream right after the final log lines
-            try:
-                streamer.wait(timeout=max(1.0, min(30.0, deadline - time.monotonic() + 10)))
-            except subprocess.TimeoutExpired:
-                pass
+            streamer.wait(max(1.0, min(30.0, deadline - time.monotonic() + 10)))
     finally:
-        if streamer.poll() is None:
-            streamer.kill()
-            streamer.wait()
+        streamer.stop()
     log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
-    if finished and not log.strip():  # the stream died early: fetch the finished run's log once
+    if finished and not log.strip():  # the stream died early: the finished run's whole log, once
+        streamer = open_stream()
         try:
-            log = run_flwr(home, ["log", str(run_id), connection, "--stream"], env=env).stdout
-        except subprocess.TimeoutExpired as err:
-            log = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+            streamer.wait(CLI_TIMEOUT)
+        finally:
+            streamer.stop()
+        log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
     return FollowedRun(status, details, strip_ansi(log), timed_out)

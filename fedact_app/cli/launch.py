@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fedact_app.cli.engine import CONNECTION, LocalEngine, RunResult
-from fedact_app.cli.flwr import LaunchError
+from fedact_app.cli.flwr import LaunchError, toml_loads
 from fedact_app.cli.procs import pid_alive
 
 __all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "supernodes_for"]
@@ -110,19 +110,14 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
 def _parse_run_config(items: Iterable[str]) -> dict[str, Any]:
     """``key=value`` pairs; values are parsed as TOML (numbers, booleans, quoted strings),
     anything that is not valid TOML is taken as a plain string."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-
     config: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise argparse.ArgumentTypeError(f"--run-config expects key=value, got {item!r}")
         try:
-            config[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
+            config[key] = toml_loads(f"v = {raw}")["v"]
+        except ValueError:  # TOMLDecodeError
             config[key] = raw
     return config
 
