@@ -10,7 +10,7 @@ Three figures, measured in one go, each as a ratio to the plain loop measured in
    (``run_simulation``: a fresh SuperLink, Ray started inside the run, start to return; the
    launcher's own start, about 1.5 s of imports, is not in it) against the plain loop as its own Python
    process (spawn to exit: imports, data, model, every round, evaluation). The app run's wall time
-   is split with its ``summary.json`` clocks: start-up (SuperLink, ``flwr run``, the simulation
+   is split with its ``summary.json`` clocks: start-up (SuperLink, the run's submission, the simulation
    process, imports, task and model) until the run folder exists; the ServerApp's round 0
    (identification is in round 1), its rounds, and shutdown (after the final model is written).
 2. **Rounds**: the app's rounds 1..R (``metrics.jsonl`` ``seconds``, evaluation included) against

@@ -31,7 +31,11 @@ def pytest_collection_modifyitems(items):
     """Files that start real Flower processes (a test marked ``e2e``) first: with pytest-xdist's
     ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml) the workers take the files in this
     order, so the long Flower files start at once, each worker's on its own engine (its own
-    SuperLink and Ray cluster), and the unit files fill the gaps at the end."""
+    SuperLink and Ray cluster), and the unit files fill the gaps at the end. Two workers' Flower
+    runs side by side once failed a run here (its ``flwr-simulation`` died without a word, the
+    SuperLink failed it for a missing heartbeat): most likely one worker's ``procs.stop_tree``
+    killing a process of the other's under a reused pid, which it no longer can (it checks each
+    noted pid's start time); docs/PERFORMANCE.md has the runs since."""
     flower_files = {item.path for item in items if item.get_closest_marker("e2e")}
     items.sort(key=lambda item: item.path not in flower_files)  # stable: the order within is kept
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -257,6 +258,51 @@ def test_run_config_toml_escapes_and_flattens() -> None:
 def test_cli_run_config_values() -> None:
     parsed = launch._parse_run_config(["n=3", "f=0.5", "on=true", "s=plain words", 's2="q"'])
     assert parsed == {"n": 3, "f": 0.5, "on": True, "s": "plain words", "s2": "q"}
+
+
+class _FakeStream:
+    """A log stream that writes ``text`` into ``path`` and has ended at once, with ``error``."""
+
+    def __init__(self, path: Path, text: str, error: str = "") -> None:
+        path.write_text(text, encoding="utf-8")
+        self.error = error
+        self.stopped = False
+
+    def ended(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_follow_run_reads_the_finished_runs_log_from_its_stream(tmp_path: Path) -> None:
+    log_path, streams = tmp_path / "run.log", []
+
+    def open_stream() -> _FakeStream:
+        streams.append(_FakeStream(log_path, "\x1b[92mINFO\x1b[0m: round 1\n"))
+        return streams[-1]
+
+    run = flwr.follow_run(tmp_path, "c", 7, log_path, deadline=time.monotonic() + 30, poll_interval=0.1,
+                          status_of=lambda run_id: ("finished:completed", ""), open_stream=open_stream)
+    assert (run.status, run.finished, run.timed_out, run.log) == ("finished:completed", True, False, "INFO: round 1\n")
+    assert len(streams) == 1 and streams[0].stopped
+
+
+def test_follow_run_reopens_a_broken_stream_and_names_why_when_the_run_does_not_finish(tmp_path: Path) -> None:
+    log_path, streams = tmp_path / "run.log", []
+
+    def open_stream() -> _FakeStream:
+        streams.append(_FakeStream(log_path, "", error="ReadError: reset"))
+        return streams[-1]
+
+    run = flwr.follow_run(tmp_path, "c", 7, log_path, deadline=time.monotonic() + 2.5, poll_interval=0.1,
+                          status_of=lambda run_id: ("running", ""), open_stream=open_stream)
+    assert run.timed_out and not run.finished and run.status == "running"
+    assert run.details == "log stream: ReadError: reset"
+    assert len(streams) >= 2 and all(stream.stopped for stream in streams[-1:])
 
 
 def test_rejects_bad_arguments(tmp_path: Path) -> None:

@@ -294,7 +294,7 @@ class LocalEngine:
 
         log_path = home / f"run-{run_id}.log"
         run = flwr.follow_run(home, CONNECTION, run_id, log_path, deadline=deadline,
-                              poll_interval=poll_interval, env=self.env, superlink_gone=gone,
+                              poll_interval=poll_interval, superlink_gone=gone,
                               status_of=control.run_status,
                               open_stream=lambda: control.log_stream(run_id, log_path))
         if run.timed_out:

@@ -195,7 +195,10 @@ def _control_http_client(address: str) -> Any:
 
 
 class LogStream(Protocol):
-    """A run's log streamed into a file until the SuperLink ends the stream (at the end of the run)."""
+    """A run's log streamed into a file until the SuperLink ends the stream (at the end of the run).
+    ``error``: why the stream ended early ("" when the server ended it, or while it is open)."""
+
+    error: str
 
     def ended(self) -> bool:
         """True once the stream has ended (the run finished, or the stream broke)."""
@@ -204,11 +207,12 @@ class LogStream(Protocol):
         """Wait up to ``timeout`` seconds for the stream to end."""
 
     def stop(self) -> None:
-        """End the stream now, if it has not ended."""
+        """Write nothing more to the file (at once, whether or not the stream has ended)."""
 
 
 class CliLogStream:
-    """``flwr log RUN_ID CONNECTION --stream`` into ``log_path``, ``stderr`` where its stderr goes."""
+    """``flwr log RUN_ID CONNECTION --stream`` into ``log_path``, ``stderr`` where its stderr goes;
+    :meth:`stop` kills the process."""
 
     def __init__(self, home: Path, connection: str, run_id: int | str, log_path: Path, *,
                  env: Mapping[str, str] | None = None, stderr: int = subprocess.DEVNULL) -> None:
@@ -216,6 +220,11 @@ class CliLogStream:
             self._proc = subprocess.Popen(  # noqa: S603
                 [console_script("flwr"), "log", str(run_id), connection, "--stream"], cwd=home,
                 env=flwr_env(home, env), stdin=subprocess.DEVNULL, stdout=out, stderr=stderr)
+
+    @property
+    def error(self) -> str:
+        code = self._proc.poll()
+        return f"`flwr log` exited with code {code}" if code else ""
 
     def ended(self) -> bool:
         return self._proc.poll() is not None
@@ -235,27 +244,33 @@ class CliLogStream:
 class ControlLogStream:
     """The Control API's StreamLogs into ``log_path``, read by a thread of this process: what
     ``flwr log --stream`` writes to its stdout (each reply's ``log_output``), without its process.
-    The stream has a client of its own, so that :meth:`stop` can close it under the reading thread."""
+
+    The thread ends when the server ends the stream (the run finished) or the connection breaks.
+    A thread blocked in a read cannot be woken from outside, so :meth:`stop` only makes it write
+    nothing more; it ends with the run or its SuperLink (the engine stops a run past its timeout)."""
 
     def __init__(self, address: str, run_id: int | str, log_path: Path) -> None:
-        self._client = _control_http_client(address)
+        self.error = ""
+        self._stopped = threading.Event()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(int(run_id), log_path), daemon=True,
-                                        name=f"flwr-log-{run_id}")
-        self._thread.start()
+        threading.Thread(target=self._read, args=(address, int(run_id), log_path), daemon=True,
+                         name=f"flwr-log-{run_id}").start()
 
-    def _read(self, run_id: int, log_path: Path) -> None:
+    def _read(self, address: str, run_id: int, log_path: Path) -> None:
         from flwr.proto.control_pb2 import StreamLogsRequest
 
+        client = _control_http_client(address)
         try:
             with log_path.open("w", encoding="utf-8") as out:
-                for reply in self._client.StreamLogs(StreamLogsRequest(run_id=run_id, after_timestamp=0.0)):
+                for reply in client.StreamLogs(StreamLogsRequest(run_id=run_id, after_timestamp=0.0)):
+                    if self._stopped.is_set():
+                        break
                     out.write(reply.log_output)
                     out.flush()
-        except Exception:  # noqa: BLE001, S110 - a broken or stopped stream has ended; the status says why
-            pass
+        except Exception as err:  # noqa: BLE001 - any failure ends the stream; follow_run reopens it
+            self.error = f"{type(err).__name__}: {err}"[-500:]
         finally:
-            self._client.close()
+            client.close()
             self._done.set()
 
     def ended(self) -> bool:
@@ -265,9 +280,7 @@ class ControlLogStream:
         self._done.wait(timeout)
 
     def stop(self) -> None:
-        if not self._done.is_set():
-            self._client.close()  # the reading thread's next read fails, and it ends
-            self._done.wait(2.0)
+        self._stopped.set()
 
 
 class ControlClient:
@@ -277,7 +290,7 @@ class ControlClient:
     on a small machine. Flower 1.41's own client and request builders, as its CLI uses them."""
 
     def __init__(self, address: str) -> None:
-        self.address = address
+        self._address = address
         self._client = _control_http_client(address)
 
     def start_run(self, app: Path, run_config: Mapping[str, Any], *,
@@ -298,7 +311,7 @@ class ControlClient:
         from flwr.supercore.utils import simulation_config_from_json
 
         try:
-            load_and_validate(app / "pyproject.toml")
+            load_and_validate(app / "pyproject.toml", check_module=False)  # the SuperExec imports it
             fab_bytes = build_fab_from_disk(app)
             federation = None
             if federation_config:
@@ -319,7 +332,7 @@ class ControlClient:
 
     def log_stream(self, run_id: int | str, log_path: Path) -> ControlLogStream:
         """The run's log streamed into ``log_path`` (:class:`ControlLogStream`)."""
-        return ControlLogStream(self.address, run_id, log_path)
+        return ControlLogStream(self._address, run_id, log_path)
 
     def stop_run(self, run_id: int | str) -> None:
         """Ask the SuperLink to stop a run (``flwr stop``); a failure is ignored (the caller goes on
@@ -381,7 +394,9 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     not. ``status_of(run_id)`` gives the status (default: :func:`run_status`, a ``flwr ls`` process,
     about a CPU-second each) and ``open_stream()`` opens the log stream into ``log_path`` (default: a
     :class:`CliLogStream`, its stderr to ``stream_stderr``; ``subprocess.STDOUT``: into the log); a
-    local engine passes :class:`ControlClient`'s, cheap enough to ask every half second.
+    local engine passes :class:`ControlClient`'s, cheap enough to ask every half second. A finished
+    run whose log came back empty has its whole log streamed once more into ``log_path``. An
+    unfinished run's ``details`` also name why its log stream last broke, if it did.
     """
     if status_of is None:
         def status_of(run: int | str) -> tuple[str, str]:
@@ -391,7 +406,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
             return CliLogStream(home, connection, run_id, log_path, env=env, stderr=stream_stderr)
 
     streamer = open_stream()
-    status, details = "unknown", ""
+    status, details, stream_error = "unknown", "", ""
     try:
         next_poll = time.monotonic() + poll_interval
         while time.monotonic() < deadline:
@@ -406,6 +421,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
                 if status.startswith("finished"):
                     break
                 if ended:
+                    stream_error = streamer.error or stream_error
                     time.sleep(1.0)
                     streamer = open_stream()
                     continue
@@ -416,12 +432,18 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
             streamer.wait(max(1.0, min(30.0, deadline - time.monotonic() + 10)))
     finally:
         streamer.stop()
-    log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+    if not finished and stream_error:
+        details = f"{details}; log stream: {stream_error}" if details else f"log stream: {stream_error}"
+    log = _read_log(log_path)
     if finished and not log.strip():  # the stream died early: the finished run's whole log, once
         streamer = open_stream()
         try:
             streamer.wait(CLI_TIMEOUT)
         finally:
             streamer.stop()
-        log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+        log = _read_log(log_path)
     return FollowedRun(status, details, strip_ansi(log), timed_out)
+
+
+def _read_log(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""

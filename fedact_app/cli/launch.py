@@ -5,16 +5,18 @@ background SuperLink that keeps running, uses ``~/.flwr`` and fixed ports, insta
 dependencies for every run, and ``flwr run --stream`` exits 0 even when the run failed. This
 module avoids all of that:
 
-1. a temporary ``FLWR_HOME`` with a ``config.toml`` holding one connection (``fedact-launch``),
-   so the user's ``~/.flwr`` and default SuperLink are never touched;
+1. a temporary ``FLWR_HOME`` with a ``config.toml`` holding one connection (``fedact-launch``,
+   for ``flwr ls`` / ``flwr log`` while it runs), so the user's ``~/.flwr`` and default SuperLink
+   are never touched;
 2. ``flower-superlink --insecure --simulation --disable-runtime-dependency-installation`` on a
    free loopback port (in Flower 1.41 the Control, Runtime (ServerAppIo) and Fleet APIs are all
    served over HTTP on that single ``--host/--port``; nothing else is bound by the SuperLink);
-3. ``flwr run <app> fedact-launch --run-config <file.toml> --federation-config "..."
-   --format json``;
-4. ``flwr log <run> fedact-launch --stream`` (Flower ends the stream when the run finishes), with
-   the SuperLink's Control API (``ListRuns``, what ``flwr ls`` shows) as the source of truth for
-   the status;
+3. the run started through the SuperLink's Control API with Flower's own client, in this process:
+   what ``flwr run <app> fedact-launch --run-config <file.toml> --federation-config "..."`` sends
+   (``fedact_app.cli.flwr.ControlClient``);
+4. its log streamed the same way (what ``flwr log <run> --stream`` prints; Flower ends the stream
+   when the run finishes), with the Control API's ``ListRuns`` (what ``flwr ls`` shows) as the
+   source of truth for the status;
 5. in ``finally``: SIGTERM, then SIGKILL, for the SuperLink and every process it spawned
    (SuperExec, ``flwr-simulation``, the Ray cluster), also on errors, timeouts, Ctrl-C and
    SIGTERM (turned into ``SystemExit`` while a run is in progress, main thread only).
@@ -91,7 +93,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
 
     Raises
     ------
-    LaunchError: the SuperLink did not start or ``flwr run`` did not accept the run.
+    LaunchError: the SuperLink did not start or did not accept the run.
     """
     t0 = time.monotonic()
     engine = LocalEngine(shared_ray=False, env=env, cwd=cwd, flwr_home=flwr_home)
