@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedact_app.algorithms import ALGORITHMS, TensorDict
 from fedact_app.checkpoint import Checkpointer, client_round_config, open_resume, restore, snapshot
+from fedact_app.cli.engine import mark_serverapp_done
 from fedact_app.config import Config, compose
 from fedact_app.node_slot import remove_run_locks, remove_stale_locks
 from fedact_app.results import RunRecorder, create_run_dir
@@ -62,6 +63,14 @@ def initial_model(cfg: Config) -> tuple[Task, torch.nn.Module, TensorDict, list[
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    try:
+        run_app(grid, context)
+    finally:  # a local engine may start its next run while Flower shuts this one down
+        mark_serverapp_done(context.run_id)
+
+
+def run_app(grid: Grid, context: Context) -> None:
+    """The whole run: configuration, task and model, the method's rounds, the run folder."""
     cfg = compose(str(context.run_config.get("overrides", "")))
     resume = open_resume(cfg)
     task, model, initial_state, trainable = initial_model(cfg)

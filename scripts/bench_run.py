@@ -15,11 +15,12 @@ Three figures, measured in one go, each as a ratio to the plain loop measured in
    (identification is in round 1), its rounds, and shutdown (after the final model is written).
 2. **Rounds**: the app's rounds 1..R (``metrics.jsonl`` ``seconds``, evaluation included) against
    the plain loop's, summed, and the median round of each.
-3. **Sweep jobs**: N runs (seeds 1..N) on one :class:`fedact_app.cli.engine.LocalEngine` (one
-   SuperLink, one Ray cluster); each job's wall time, and its fixed cost (wall time minus the plain
-   loop's whole run), for the jobs after the first. With ``--max-parallel P`` the same jobs run
-   again P at a time (``scripts/sweep.py --max-parallel``: each run its own Ray cluster), and the
-   two sweeps' wall times per job are compared.
+3. **Sweep jobs**: N runs (seeds 1..N) on one engine as ``scripts/sweep.py`` makes it
+   (:meth:`fedact_app.cli.engine.LocalEngine.for_sweep`: one SuperLink, one Ray cluster, a job
+   starting while the last one shuts down); the wall time per job after the first (the time
+   between two jobs' ends), and the fixed cost per job (that minus the plain loop's whole run).
+   With ``--max-parallel P`` the same jobs run again P at a time (``scripts/sweep.py
+   --max-parallel``: each run its own Ray cluster), and the two sweeps' wall times are compared.
 
 The plain loop uses the app's own pieces (the ServerApp's ``initial_model`` and
 ``CentralEvaluator``, ``ClientTrainer``, the method's server rule, ``sample_clients``), clients one after another in one process with the
@@ -147,19 +148,17 @@ def sweep_jobs(overrides: str, jobs: int, base: Path, num_cpus: int, max_paralle
     from fedact_app.config import compose
 
     cfg = compose(overrides)
-    with LocalEngine(env=ENV, max_parallel=max_parallel) as engine:
+    with LocalEngine.for_sweep(max_parallel, env=ENV) as engine:
         def job(seed: int) -> dict:
             output = base / f"job-p{max_parallel}-{seed}"
             result = engine.run(APP_DIR, overrides=f"{overrides} seed={seed} output_dir={output}".strip(),
                                 num_supernodes=cfg.num_clients, num_cpus_per_client=num_cpus, timeout=3600)
             if not result.completed:
                 raise RuntimeError(f"sweep job {seed} did not complete: {result.status}\n{result.tail()}")
-            return {**run_record(output), "wall": result.seconds}
+            return {**run_record(output), "wall": result.seconds, "end": time.monotonic() - started}
 
         started = time.monotonic()
-        if max_parallel == 1:
-            return [job(seed) for seed in range(1, jobs + 1)], time.monotonic() - started
-        pool = ThreadPoolExecutor(max_parallel)
+        pool = ThreadPoolExecutor(engine.max_parallel)
         try:
             found = list(pool.map(job, range(1, jobs + 1)))
         except BaseException:  # a failed job, Ctrl-C: stop the runs in flight, not wait for the queue
@@ -217,19 +216,20 @@ def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], j
         lines.append(f"{'   median round 2..R: app / plain':44} {spread(steady_app, '{:.3f}'):>22} "
                      f"{med(steady_app) / med(steady_plain):>7.2f}x  (plain {spread(steady_plain, '{:.3f}')})")
     if jobs:
-        later = jobs[1:] or jobs
-        job_walls = [j["wall"] for j in later]
-        fixed = [j["wall"] - med([p["wall"] for p in plain]) for j in later]
-        lines.append(f"{'3. sweep job on one engine (jobs 2..N)':44} {spread(job_walls):>22} "
-                     f"{med(job_walls) / med([p['wall'] for p in plain]):>7.2f}x")
-        lines.append(f"{'   first job (starts SuperLink and Ray)':44} {jobs[0]['wall']:>22.1f}")
-        lines.append(f"{'   fixed cost per job (wall - plain run)':44} {spread(fixed):>22}")
-        lines.append(f"{'   its rounds 1..R':44} {spread([sum(j['rounds']) for j in later]):>22}")
+        ends = sorted(j["end"] for j in jobs)
+        gaps = [later - earlier for earlier, later in zip(ends, ends[1:])] or ends
+        plain_wall = med([p["wall"] for p in plain])
+        lines.append(f"{'3. sweep, wall per job after the first':44} {spread(gaps):>22} "
+                     f"{med(gaps) / plain_wall:>7.2f}x")
+        lines.append(f"{'   first job (starts SuperLink and Ray)':44} {ends[0]:>22.1f}")
+        lines.append(f"{'   fixed cost per job (wall per job - plain run)':44} {spread([g - plain_wall for g in gaps]):>22}")
+        lines.append(f"{'   its rounds 1..R':44} {spread([sum(j['rounds']) for j in jobs[1:] or jobs]):>22}")
     if sweeps and len(sweeps) > 1:
         sequential = sweeps[1][0]
         for parallel, (wall, walls) in sorted(sweeps.items()):
+            own = f" (a job's own wall {spread(walls)})" if parallel > 1 else ""
             lines.append(f"{f'   --max-parallel {parallel}: sweep wall / {len(jobs)} jobs':44} {wall / len(jobs):>22.1f} "
-                         f"{wall / sequential:>7.2f}x of --max-parallel 1 (a job's own wall {spread(walls)})")
+                         f"{wall / sequential:>7.2f}x of --max-parallel 1{own}")
     accuracy = {round(p["final_test_accuracy"], 4) for p in plain} | {round(a["final_test_accuracy"], 4) for a in alone}
     lines += ["", f"final test accuracy, plain loop and app runs (one seed): {sorted(accuracy)}"]
     return "\n".join(lines)

@@ -166,8 +166,8 @@ def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, engine: sweep
 
 
 def run_jobs(jobs_dir: Path, jobs: list[Job], launch: sweep.LaunchOptions, rerun: bool = False) -> list[dict]:
-    """Every job, on one engine, ``launch.max_parallel`` at a time; one progress line each as it
-    finishes; the rows in the jobs' order."""
+    """Every job, on one engine, from ``engine.max_parallel`` threads (LocalEngine.for_sweep); one
+    progress line each as it finishes; the rows in the jobs' order."""
     rows: list[dict | None] = [None] * len(jobs)
     done = 0
 
@@ -183,11 +183,7 @@ def run_jobs(jobs_dir: Path, jobs: list[Job], launch: sweep.LaunchOptions, rerun
                   flush=True)
 
     with launch.engine() as engine:
-        if launch.max_parallel == 1:  # in this thread, so that Ctrl-C stops the study at once
-            for index in range(len(jobs)):
-                one(index, engine)
-            return rows
-        pool = ThreadPoolExecutor(launch.max_parallel)
+        pool = ThreadPoolExecutor(engine.max_parallel)
         try:
             for future in [pool.submit(one, index, engine) for index in range(len(jobs))]:
                 future.result()

@@ -8,8 +8,8 @@ Hydra expands the overrides (``-m``; ``a=x,y`` sweeps a key; ``hydra.sweeper.par
 ``experiment=`` preset sweeps its grid) and calls :func:`main` once per combination. Each one is
 validated (fedact_app.config) and then run as its own Flower run with ``num_clients`` SuperNodes
 on one private local engine the whole sweep shares (``fedact_app.cli.engine.LocalEngine``: one
-SuperLink and, one job at a time, one Ray cluster; a job's metrics are those of the same run
-launched alone): a run that fails, times out or has an invalid value is recorded and the sweep
+SuperLink and one Ray cluster, one job computing at a time while the last one shuts down; a
+job's metrics are those of the same run launched alone): a run that fails, times out or has an invalid value is recorded and the sweep
 goes on. A value Hydra itself cannot compose (an unknown key, a wrong type)
 stops the sweep before any run starts: Hydra composes every combination first.
 
@@ -75,8 +75,9 @@ class LaunchOptions:
     max_parallel: int = 1
 
     def engine(self) -> LocalEngine:
-        """The engine the jobs share (it starts with the first job that runs)."""
-        return LocalEngine(max_parallel=self.max_parallel)
+        """The engine the jobs share (it starts with the first job that runs); the jobs run on
+        ``engine.max_parallel`` threads (LocalEngine.for_sweep)."""
+        return LocalEngine.for_sweep(self.max_parallel)
 
 
 def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
@@ -194,7 +195,7 @@ def sweep_size(sweep_dir: Path) -> int:
 LAUNCH = LaunchOptions()
 SWEEP_DIRS: set[Path] = set()  # folders this process wrote to (the default launcher runs in-process)
 ENGINE: LocalEngine | None = None  # the sweep's engine, set by cli()
-POOL: ThreadPoolExecutor | None = None  # with --max-parallel > 1: where the jobs run
+POOL: ThreadPoolExecutor | None = None  # where the jobs run, set by cli()
 PENDING: list[Future] = []
 SUMMARY_LOCK = threading.Lock()
 
@@ -206,11 +207,8 @@ def main(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = Path(hc.sweep.dir).resolve() if multirun else job_dir
     SWEEP_DIRS.add(sweep_dir)
-    job = (cfg, list(hc.overrides.task), job_dir, sweep_dir, multirun)
-    if POOL is None:
-        run_job(*job)
-    else:
-        PENDING.append(POOL.submit(run_job, *job))
+    assert POOL is not None, "the sweep's jobs run inside cli(), on its engine"
+    PENDING.append(POOL.submit(run_job, cfg, list(hc.overrides.task), job_dir, sweep_dir, multirun))
 
 
 def run_job(cfg: DictConfig, overrides: list[str], job_dir: Path, sweep_dir: Path, multirun: bool) -> None:
@@ -232,7 +230,7 @@ def cli(argv: list[str]) -> int:
     LAUNCH, hydra_args = parse_launch_options(argv)
     sys.argv = [sys.argv[0], *with_default_dirs(hydra_args)]
     with LAUNCH.engine() as ENGINE:
-        POOL = ThreadPoolExecutor(LAUNCH.max_parallel) if LAUNCH.max_parallel > 1 else None
+        POOL = ThreadPoolExecutor(ENGINE.max_parallel)
         try:
             main()
             for future in PENDING:
@@ -241,8 +239,7 @@ def cli(argv: list[str]) -> int:
             ENGINE.close()
             raise
         finally:
-            if POOL is not None:
-                POOL.shutdown(wait=True, cancel_futures=True)
+            POOL.shutdown(wait=True, cancel_futures=True)
             POOL, ENGINE = None, None
             PENDING.clear()
     rows = [row for d in sorted(SWEEP_DIRS) for row in write_summary(d)]

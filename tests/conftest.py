@@ -75,6 +75,7 @@ class FakeEngine:
 
     def __init__(self, outcome):
         self.outcome = outcome
+        self.max_parallel = 1
 
     def __enter__(self):
         return self
@@ -97,7 +98,12 @@ def fake_engine(monkeypatch):
 
     def install(outcome):
         engine = FakeEngine(outcome)
-        monkeypatch.setattr(sweep.LaunchOptions, "engine", lambda self: engine)
+
+        def for_options(options):  # the jobs' threads: as many as the options ask (1 by default)
+            engine.max_parallel = options.max_parallel
+            return engine
+
+        monkeypatch.setattr(sweep.LaunchOptions, "engine", for_options)
         return engine
 
     return install

@@ -38,7 +38,7 @@ def test_bench_round_quick_prints_the_split_and_the_ratio():
 @pytest.mark.e2e
 def test_bench_run_quick_prints_the_three_ratios_and_one_accuracy():
     out = run_script("bench_run.py", "--quick", timeout=600)
-    for row in ("1. app run alone", "2. app rounds 1..R, summed", "3. sweep job on one engine"):
+    for row in ("1. app run alone", "2. app rounds 1..R, summed", "3. sweep, wall per job after the first"):
         assert re.search(rf"^{re.escape(row)}.* \d+\.\d\dx$", out, re.M), (row, out)
     for row in ("start-up until the run folder", "round 1 (Ray, actors, identification)",
                 "shutdown after the final model", "fixed cost per job"):
@@ -68,13 +68,16 @@ def test_bench_run_reports_the_parallel_sweep_per_job_against_one_at_a_time():
     plain = [{"wall": 10.0, "rounds": [1.0, 1.0], "final_test_accuracy": 0.5}]
     alone = [{"wall": 20.0, "rounds": [3.0, 1.5], "startup": 5.0, "round0": 0.5, "shutdown": 2.0,
               "final_test_accuracy": 0.5}]
-    jobs = [{"wall": 18.0, "rounds": [2.0, 1.0]}, {"wall": 16.0, "rounds": [2.0, 1.0]}]
-    out = bench_run.report("digits", "", plain, alone, jobs, 1, {1: (34.0, [18.0, 16.0]), 2: (25.5, [24.0, 25.0])})
-    assert re.search(r"--max-parallel 1: sweep wall / 2 jobs +17\.0 +1\.00x of --max-parallel 1 "
-                     r"\(a job's own wall 17\.0 \[16\.0-18\.0\]\)$", out, re.M), out
+    # one at a time with overlap: the second job waited inside run() while the first computed, so
+    # its own wall (28 s) is not a job's cost; the 16 s between the two ends is
+    jobs = [{"wall": 18.0, "end": 18.0, "rounds": [2.0, 1.0]}, {"wall": 28.0, "end": 34.0, "rounds": [2.0, 1.0]}]
+    out = bench_run.report("digits", "", plain, alone, jobs, 1, {1: (34.0, [18.0, 28.0]), 2: (25.5, [24.0, 25.0])})
+    assert re.search(r"^3\. sweep, wall per job after the first +16\.0 +1\.60x$", out, re.M), out
+    assert re.search(r"first job \(starts SuperLink and Ray\) +18\.0$", out, re.M), out
+    assert re.search(r"fixed cost per job \(wall per job - plain run\) +6\.0$", out, re.M), out
+    assert re.search(r"--max-parallel 1: sweep wall / 2 jobs +17\.0 +1\.00x of --max-parallel 1$", out, re.M), out
     assert re.search(r"--max-parallel 2: sweep wall / 2 jobs +12\.8 +0\.75x of --max-parallel 1 "
                      r"\(a job's own wall 24\.5 \[24\.0-25\.0\]\)$", out, re.M), out
-    assert re.search(r"fixed cost per job \(wall - plain run\) +6\.0$", out, re.M), out
     for bad in (["--max-parallel", "0"], ["--max-parallel", "2", "--jobs", "1"]):
         with pytest.raises(SystemExit):
             bench_run.main(bad)

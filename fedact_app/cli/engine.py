@@ -12,8 +12,19 @@ the same run on a fresh SuperLink (tests/test_reproducible_e2e.py).
 
 With ``max_parallel > 1`` several runs are in flight on the one SuperLink, and each run starts a
 Ray cluster of its own (``RAY_ADDRESS=local``): Flower sizes a run's actor pool from the whole
-cluster's CPUs, so runs sharing one cluster would wait on each other's actors, past the round's
-and the identification's timeouts. No run ever attaches to a cluster the engine did not start.
+cluster's CPUs, so runs computing side by side on one cluster would wait on each other's actors,
+past the round's and the identification's timeouts. No run ever attaches to a cluster the engine
+did not start.
+
+With one shared cluster and ``max_parallel > 1`` (``shared_ray=True``), runs are in flight
+together but compute one at a time: a run is submitted only once every other run in flight has
+said that its ServerApp has ended, by an empty file named after its run id in the folder named by
+``$FEDACT_ENGINE_DONE_DIR`` (:func:`mark_serverapp_done`; the FedACT ServerApp writes it). Flower
+1.41 then still shuts the last run down for 2-3 s (its simulation threads' queue waits, its
+actors' release), which the next run's start (a new ``flwr-simulation`` process importing flwr,
+Ray, torch and the app) overlaps; the next run's actors wait for the last run's to release the
+cluster's CPUs. An app that writes no such file has its runs one after another, as with
+``max_parallel=1``.
 
 A run that outlives its ``timeout`` is stopped (the Control API's StopRun) and the engine is
 restarted before its next run, once no other run is in flight: Flower marks a stopped run finished
@@ -46,6 +57,8 @@ from fedact_app.cli.ray_cluster import RayCluster
 from fedact_app.cli.superlink import SimulationSuperLink
 
 STARTUP_TIMEOUT = 120.0  # seconds for the Ray cluster and the SuperLink to start
+DONE_DIR_ENV = "FEDACT_ENGINE_DONE_DIR"  # where a ServerApp says it has ended (mark_serverapp_done)
+OVERLAPPED_RUNS = 2  # a sweep's runs in flight on one shared Ray cluster: one computing, the last one shutting down
 CONNECTION = "fedact-launch"  # the only connection in the engine's config.toml (`flwr ls` while it runs)
 BASE_ENV = {
     **flwr.BASE_ENV,
@@ -72,6 +85,18 @@ class RunResult:
     def tail(self, lines: int = 40) -> str:
         """Last ``lines`` lines of the log."""
         return "\n".join(self.log.splitlines()[-lines:])
+
+
+def mark_serverapp_done(run_id: int) -> None:
+    """Tell the engine that ran this ServerApp that it has ended (an empty file named ``run_id`` in
+    ``$FEDACT_ENGINE_DONE_DIR``), so that its next run can start while Flower shuts this one down;
+    nothing outside an engine's runs, and nothing on failure (the engine then waits for the status)."""
+    folder = os.environ.get(DONE_DIR_ENV)
+    if folder:
+        try:
+            (Path(folder) / str(int(run_id))).touch()
+        except OSError:
+            pass
 
 
 def exit_on_termination() -> Callable[[], None]:
@@ -113,8 +138,9 @@ class LocalEngine:
     Parameters
     ----------
     max_parallel: runs in flight at once (``run`` may be called from that many threads).
-    shared_ray: one Ray cluster for all runs (default: when ``max_parallel`` is 1, the only case
-        where it is safe); False: each run's ``flwr-simulation`` starts its own, as Flower does.
+    shared_ray: one Ray cluster for all runs, which then compute one at a time (default: when
+        ``max_parallel`` is 1); False: each run's ``flwr-simulation`` starts its own, as Flower
+        does, and runs compute side by side.
     num_cpus, num_gpus: the shared Ray cluster's resources (default: this machine's CPUs; Ray's
         own GPU detection), as a run's own ``ray.init()`` would find them.
     env: extra environment for the SuperLink (and so the ServerApps and ClientApps) and ``flwr``.
@@ -129,9 +155,6 @@ class LocalEngine:
             raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
         self.max_parallel = int(max_parallel)
         self.shared_ray = self.max_parallel == 1 if shared_ray is None else bool(shared_ray)
-        if self.shared_ray and self.max_parallel > 1:
-            raise ValueError("shared_ray=True needs max_parallel=1: runs sharing one Ray cluster wait on "
-                             "each other's actors")
         self.num_cpus = int(num_cpus or os.cpu_count() or 1)
         self.num_gpus = num_gpus
         self.cwd = Path(cwd) if cwd else Path.cwd()
@@ -144,10 +167,20 @@ class LocalEngine:
         self.ray: RayCluster | None = None
         self.pids: set[int] = set()  # every process the engine's SuperLinks and clusters had
         self._lock = threading.Lock()
-        self._in_flight = 0
+        self._in_flight: dict[object, int | None] = {}  # a claim's token -> its run id once submitted
         self._restart = False
         self._closed = False
         self._restore_signals: Callable[[], None] = lambda: None
+
+    @classmethod
+    def for_sweep(cls, max_parallel: int = 1, **kwargs: Any) -> LocalEngine:
+        """The engine for a sweep whose jobs call :meth:`run` from ``engine.max_parallel`` threads:
+        with ``max_parallel=1`` one shared Ray cluster and :data:`OVERLAPPED_RUNS` runs in flight, one
+        computing while the last one shuts down; else ``max_parallel`` runs computing side by side,
+        each with its own Ray cluster. ``kwargs``: the other parameters."""
+        if int(max_parallel) == 1:
+            return cls(max_parallel=OVERLAPPED_RUNS, shared_ray=True, **kwargs)
+        return cls(max_parallel=max_parallel, shared_ray=False, **kwargs)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -170,7 +203,10 @@ class LocalEngine:
         self.home.mkdir(parents=True, exist_ok=True)
         # never a cluster the user's environment names or Ray finds on its own (/tmp/ray): the
         # engine's, or with "local" a new one per run
-        env = {**os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home), "RAY_ADDRESS": "local"}
+        done_dir = self.home / "serverapps-done"
+        done_dir.mkdir(exist_ok=True)
+        env = {**os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home), "RAY_ADDRESS": "local",
+               DONE_DIR_ENV: str(done_dir)}
         try:
             if self.shared_ray:
                 self.ray = RayCluster.start(self.num_cpus, self.num_gpus, env)
@@ -211,24 +247,33 @@ class LocalEngine:
         return (self.link is not None and self.link.proc.poll() is None
                 and (self.ray is None or self.ray.alive()) and not self._restart)
 
-    def _claim(self) -> None:
-        """Count one more run in flight; start the engine first if it is not running, or restart it
-        after a run past its timeout or when a process of it died (then only once no other run is
-        in flight)."""
+    def _computing(self) -> bool:
+        """Whether a run in flight may still compute: not yet submitted, or its ServerApp has not
+        said it ended (:func:`mark_serverapp_done`)."""
+        done_dir = Path(self.env[DONE_DIR_ENV])
+        return any(run_id is None or not (done_dir / str(run_id)).exists() for run_id in self._in_flight.values())
+
+    def _claim(self) -> object:
+        """One more run in flight (its token); start the engine first if it is not running, or restart
+        it after a run past its timeout or when a process of it died (then only once no other run is
+        in flight). On a shared Ray cluster, wait until no other run computes (module docstring)."""
+        token = object()
         while True:
             with self._lock:
                 if self._closed:
                     raise LaunchError("the engine is closed")
-                if self._healthy():
-                    self._in_flight += 1
-                    return
-                if not self._in_flight:
+                if self.shared_ray and self._in_flight and self._computing():
+                    pass  # (a file check: cheap enough to ask every 0.1 s)
+                elif self._healthy():
+                    self._in_flight[token] = None
+                    return token
+                elif not self._in_flight:
                     self._stop_processes()
                     self._restart = False
                     self._start()
-                    self._in_flight += 1
-                    return
-            time.sleep(0.5)
+                    self._in_flight[token] = None
+                    return token
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ runs
 
@@ -260,16 +305,16 @@ class LocalEngine:
             raise ValueError(f"{', '.join(sized)}: a run attached to the engine's shared Ray cluster cannot size "
                              "it (Ray refuses num_cpus/num_gpus when connecting); give the cluster's size to "
                              "LocalEngine(num_cpus=..., num_gpus=...), or use shared_ray=False")
-        self._claim()
+        token = self._claim()
         try:
-            return self._run(app_path, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
+            return self._run(token, app_path, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
                              run_config, time.monotonic() + timeout, federation_config, poll_interval, t0)
         finally:
             with self._lock:
-                self._in_flight -= 1
+                del self._in_flight[token]
 
-    def _run(self, app_path: Path, overrides: str, num_supernodes: int, num_cpus: int, num_gpus: float,
-             run_config: Mapping[str, Any] | None, deadline: float,
+    def _run(self, token: object, app_path: Path, overrides: str, num_supernodes: int, num_cpus: int,
+             num_gpus: float, run_config: Mapping[str, Any] | None, deadline: float,
              federation_config: Mapping[str, Any] | None, poll_interval: float, t0: float) -> RunResult:
         link, home = self.link, self.home
         config = dict(run_config or {})
@@ -286,6 +331,8 @@ class LocalEngine:
             run_id = control.start_run(app_path, config, federation_config=fed)
         except LaunchError as err:
             raise LaunchError(f"{err}\n--- SuperLink output ---\n{link.output_tail()}") from None
+        with self._lock:
+            self._in_flight[token] = run_id
 
         def gone() -> str | None:
             if link.proc.poll() is None:
