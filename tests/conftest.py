@@ -27,17 +27,21 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Files that start real Flower processes (a test marked ``e2e``) first: with pytest-xdist's
-    ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml) the workers take the files in this
-    order, so the long Flower files start at once, each worker's on its own engine (its own
-    SuperLink and Ray cluster), and the unit files fill the gaps at the end. Two workers' Flower
-    runs side by side once failed a run here (its ``flwr-simulation`` died without a word, the
-    SuperLink failed it for a missing heartbeat): most likely one worker's ``procs.stop_tree``
-    killing a process of the other's under a reused pid, which it no longer can (it checks each
-    noted pid's start time); docs/PERFORMANCE.md has the runs since."""
+    """Group the tests for the worker processes (pyproject.toml: pytest-xdist ``--dist loadgroup``):
+    every file that starts real Flower processes (a test marked ``e2e``) in one group, run first
+    and one test after another on one worker, as without workers; every other file in a group of
+    its own (its module fixtures run once). The unit tests then run on the other workers beside
+    the Flower runs, in the third of two cores those leave idle while Flower's processes start
+    and stop. Flower runs of two workers side by side (each worker's own SuperLink and Ray
+    cluster) fail a run now and then here: its ``flwr-simulation`` goes silent at its start and
+    the SuperLink fails it for a missing heartbeat, also since procs.stop_tree stopped signalling
+    reused pids (the cause is not found: docs/PERFORMANCE.md); so they stay on one worker."""
     flower_files = {item.path for item in items if item.get_closest_marker("e2e")}
     items.sort(key=lambda item: item.path not in flower_files)  # stable: the order within is kept
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("flower" if item.path in flower_files else item.path.name))
 
 
 # CPUs of each worker's Ray cluster, whatever the machine: a OneActorEngine's actor holds them all,
