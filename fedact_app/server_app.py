@@ -13,10 +13,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedact_app.algorithms import ALGORITHMS, TensorDict
 from fedact_app.checkpoint import Checkpointer, client_round_config, open_resume, restore, snapshot
-from fedact_app.cli.engine import mark_serverapp_done
 from fedact_app.config import Config, compose
 from fedact_app.node_slot import remove_run_locks, remove_stale_locks
 from fedact_app.results import RunRecorder, create_run_dir
+from fedact_app.serverapp_done import mark_done
 from fedact_app.strategy import AlgorithmStrategy
 from fedact_app.tasks.base import Task, build_task
 from fedact_app.train import cosine_lr, memory_format, resolve_device
@@ -63,14 +63,13 @@ def initial_model(cfg: Config) -> tuple[Task, torch.nn.Module, TensorDict, list[
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    try:
-        run_app(grid, context)
-    finally:  # a local engine may start its next run while Flower shuts this one down
-        mark_serverapp_done(context.run_id)
+    if run_app(grid, context).clients_idle:  # Flower's shutdown then waits on no client
+        mark_done(context.run_id)  # a local engine may start its next run meanwhile
 
 
-def run_app(grid: Grid, context: Context) -> None:
-    """The whole run: configuration, task and model, the method's rounds, the run folder."""
+def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
+    """The whole run: configuration, task and model, the method's rounds, the run folder; the
+    strategy that ran them."""
     cfg = compose(str(context.run_config.get("overrides", "")))
     resume = open_resume(cfg)
     task, model, initial_state, trainable = initial_model(cfg)
@@ -113,3 +112,4 @@ def run_app(grid: Grid, context: Context) -> None:
     finally:
         remove_run_locks(context.run_id)  # the simulated nodes' slots (fedact_app.node_slot)
     recorder.finish(final_state)
+    return strategy

@@ -144,6 +144,7 @@ class AlgorithmStrategy(Strategy):
         self.seed = seed
         self.client_keys: dict[int, ClientKey] = {}  # node id -> identity (fedact_app.sampling)
         self.open_queries: dict[str, int] = {}  # identity queries without a reply: message id -> node
+        self.unanswered = 0  # train and evaluate messages that had no reply by their round's timeout
         self.state: TensorDict = {}
         self.bytes_sent = 0
 
@@ -432,6 +433,19 @@ class AlgorithmStrategy(Strategy):
         self.rule.load_state_dict(state["rule"])
         self.empty_rounds = int(state["empty_rounds"])
 
+    def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
+        """:func:`exchange`, counting the messages left without a reply in :attr:`unanswered`."""
+        messages = list(messages)
+        replies = exchange(grid, messages, timeout)
+        self.unanswered += len(messages) - len(replies)
+        return replies
+
+    @property
+    def clients_idle(self) -> bool:
+        """Whether every message of the run has had its reply, so that no client can still be
+        working on one (a client past a round's timeout may be)."""
+        return not self.unanswered and not self.open_queries
+
     def run(self, grid: Grid, num_rounds: int, timeout: float,
             evaluate_fn: Callable[[int, TensorDict], dict | None],
             on_round_end: Callable[[dict], None], *, initial_state: TensorDict | None = None,
@@ -452,14 +466,14 @@ class AlgorithmStrategy(Strategy):
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)
-            replies = exchange(grid, self.configure_train(server_round, arrays, ConfigRecord(), grid), timeout)
+            replies = self.exchange(grid, self.configure_train(server_round, arrays, ConfigRecord(), grid), timeout)
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             arrays = new_arrays or arrays
             row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
                    **dict(train_metrics or {})}
             client_eval = self.aggregate_evaluate(
                 server_round,
-                exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))
+                self.exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))
             row.update(dict(client_eval or {}))
             row.update(evaluate_fn(server_round, self.state) or {})
             row["seconds"] = time.perf_counter() - started

@@ -141,9 +141,9 @@ def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
 
 
 def sweep_jobs(overrides: str, jobs: int, base: Path, num_cpus: int, max_parallel: int = 1) -> tuple[list[dict], float]:
-    """``jobs`` runs (seeds 1..jobs) on one engine, ``max_parallel`` in flight at a time (as
-    ``scripts/sweep.py --max-parallel`` runs them); each job's wall time and record, and the
-    sweep's wall time from the first job's start to the last one's end."""
+    """``jobs`` runs (seeds 1..jobs) on one engine as ``scripts/sweep.py --max-parallel
+    max_parallel`` runs them; each job's record, wall time and end (seconds after the sweep's
+    start), and the sweep's wall time from the first job's start to the last one's end."""
     from fedact_app.cli.engine import LocalEngine
     from fedact_app.config import compose
 

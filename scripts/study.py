@@ -159,6 +159,8 @@ def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, engine: sweep
                "error": f"{type(err).__name__}: {err}", "seconds": 0.0}
     else:
         row = sweep.run_combination(cfg, list(job.overrides), job_dir, launch, engine)
+    if sweep.STOPPING.is_set():  # interrupted: the row is not this job's outcome
+        return {**row, "skipped": False}
     sweep._write_atomic(job_dir / "result.json", json.dumps(row, indent=2) + "\n")
     with sweep.SUMMARY_LOCK:
         sweep.write_summary(jobs_dir)
@@ -175,6 +177,8 @@ def run_jobs(jobs_dir: Path, jobs: list[Job], launch: sweep.LaunchOptions, rerun
         nonlocal done
         job = jobs[index]
         row = rows[index] = run_job(jobs_dir, job, launch, engine, rerun)
+        if sweep.STOPPING.is_set():
+            return
         what = "already completed, skipped" if row["skipped"] else f"{row['status']} in {row['seconds']:.0f} s"
         with sweep.SUMMARY_LOCK:
             done += 1
@@ -188,10 +192,12 @@ def run_jobs(jobs_dir: Path, jobs: list[Job], launch: sweep.LaunchOptions, rerun
             for future in [pool.submit(one, index, engine) for index in range(len(jobs))]:
                 future.result()
         except BaseException:  # Ctrl-C, SIGTERM: stop the runs in flight, start no other job
+            sweep.STOPPING.set()
             engine.close()
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            sweep.STOPPING.clear()  # (the jobs' threads have returned)
     return rows
 
 
@@ -334,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--num-cpus", type=int, default=1, help="CPUs per simulated client")
     run.add_argument("--timeout", type=float, default=86400.0, help="seconds per run")
     run.add_argument("--max-parallel", type=int, default=1,
-                     help="runs in flight at once (default 1: one shared Ray cluster)")
+                     help="runs computing at once (default 1: one shared Ray cluster, a job starting while "
+                          "the last one shuts down; N > 1: each run its own Ray cluster)")
     report = commands.add_parser("report", help="study.md / study.tex / figures from a study folder")
     report.add_argument("out", type=Path, help="the study folder")
     for sub in (run, report):

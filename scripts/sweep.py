@@ -17,7 +17,8 @@ Launcher options, given before or between the Hydra overrides:
     --num-gpus F     GPUs per simulated client (default 0: CPU)
     --num-cpus N     CPUs per simulated client (default 1)
     --timeout S      seconds per run (default 86400)
-    --max-parallel N runs in flight at once (default 1; each then starts its own Ray cluster)
+    --max-parallel N runs computing at once (default 1: one Ray cluster, a job starting while the
+                     last one shuts down; N > 1: each run starts its own Ray cluster)
 
 The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
 
@@ -127,6 +128,7 @@ def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path, launch
                             num_gpus_per_client=launch.num_gpus, timeout=launch.timeout)
     except Exception as err:  # the SuperLink did not start or the run was not accepted
         return done("launch error", f"{type(err).__name__}: {err}")
+    started = time.monotonic() - result.seconds  # the job's time, not its wait for the job before
     (job_dir / "flower.log").write_text(result.log)
     summaries = sorted(job_dir.glob("*/summary.json"))
     if summaries:
@@ -198,6 +200,9 @@ ENGINE: LocalEngine | None = None  # the sweep's engine, set by cli()
 POOL: ThreadPoolExecutor | None = None  # where the jobs run, set by cli()
 PENDING: list[Future] = []
 SUMMARY_LOCK = threading.Lock()
+# Set when the sweep (or a study) is interrupted: the runs in flight are stopped, and what they
+# return then (failed, the engine closed) is not written down as their outcome.
+STOPPING = threading.Event()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -215,6 +220,8 @@ def run_job(cfg: DictConfig, overrides: list[str], job_dir: Path, sweep_dir: Pat
     """One combination on the sweep's engine, its ``result.json``, the summary and a progress line."""
     assert ENGINE is not None, "the sweep's jobs run inside cli(), on its engine"
     row = run_combination(cfg, overrides, job_dir, LAUNCH, ENGINE)
+    if STOPPING.is_set():
+        return
     _write_atomic(job_dir / "result.json", json.dumps(row, indent=2) + "\n")  # write_summary may read it now
     with SUMMARY_LOCK:
         rows = write_summary(sweep_dir)
@@ -236,10 +243,12 @@ def cli(argv: list[str]) -> int:
             for future in PENDING:
                 future.result()
         except BaseException:  # Ctrl-C, SIGTERM: stop the runs in flight first, then their threads return
+            STOPPING.set()
             ENGINE.close()
             raise
         finally:
             POOL.shutdown(wait=True, cancel_futures=True)
+            STOPPING.clear()  # (the jobs' threads have returned)
             POOL, ENGINE = None, None
             PENDING.clear()
     rows = [row for d in sorted(SWEEP_DIRS) for row in write_summary(d)]

@@ -87,6 +87,9 @@ class FakeEngine:
     def __exit__(self, *exc):
         return None
 
+    def close(self):
+        return ()
+
     def run(self, app_dir, overrides="", num_supernodes=2, **kwargs):
         return self.outcome(app_dir, overrides, num_supernodes, **kwargs)
 

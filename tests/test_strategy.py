@@ -1,9 +1,10 @@
-"""The strategy's message exchange with the Grid (fedact_app.strategy.exchange)."""
+"""The strategy's message exchange with the Grid (fedact_app.strategy.exchange), and its count of
+messages left without a reply (AlgorithmStrategy.exchange, clients_idle)."""
 
 import time
 from types import SimpleNamespace
 
-from fedact_app.strategy import REPLY_POLL, exchange
+from fedact_app.strategy import REPLY_POLL, AlgorithmStrategy, exchange
 
 
 class TimedGrid:
@@ -46,3 +47,13 @@ def test_exchange_stops_at_the_timeout_with_the_replies_it_has():
 def test_exchange_without_messages_returns_at_once():
     grid = TimedGrid([])
     assert exchange(grid, [], timeout=30.0) == [] and grid.pulls == 0
+
+
+def test_the_strategy_counts_messages_left_without_a_reply_and_is_idle_only_without_any():
+    strategy = SimpleNamespace(unanswered=0, open_queries={})  # the two attributes the methods use
+    replies = AlgorithmStrategy.exchange(strategy, TimedGrid([0.0, 0.0]), ["a", "b"], timeout=5.0)
+    assert len(replies) == 2 and strategy.unanswered == 0
+    assert AlgorithmStrategy.clients_idle.fget(strategy)
+    AlgorithmStrategy.exchange(strategy, TimedGrid([0.0, None, None]), iter(["a", "b", "c"]), timeout=0.3)
+    assert strategy.unanswered == 2 and not AlgorithmStrategy.clients_idle.fget(strategy)
+    assert not AlgorithmStrategy.clients_idle.fget(SimpleNamespace(unanswered=0, open_queries={"m": 3}))

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,30 @@ def test_max_parallel_has_the_jobs_in_flight_at_once(tmp_path, monkeypatch, fake
                       "hydra/job_logging=none", "hydra/hydra_logging=none"])
     rows = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
     assert code == 0 and [r["status"] for r in rows] == ["completed", "completed"], rows
+
+
+def test_an_interrupted_sweep_writes_no_outcome_for_the_run_it_stopped(tmp_path, monkeypatch, fake_engine):
+    """Ctrl-C while two jobs are in flight: the sweep stops, and the job still running when the
+    engine was closed (here: it then returns failed) leaves no result.json or summary row
+    claiming that outcome."""
+    second_started = threading.Event()
+
+    def fake_run(app_dir, overrides, num_supernodes, **kwargs):
+        if "seed=1" in overrides:
+            assert second_started.wait(20)
+            raise KeyboardInterrupt  # reaches the main thread through the job's future
+        second_started.set()
+        time.sleep(0.5)  # still running when the sweep closes the engine
+        return RunResult(run_id=2, status="finished:failed", completed=False, log="", seconds=1.0,
+                         details="the SuperLink exited")
+
+    fake_engine(fake_run)
+    monkeypatch.setattr(sweep, "SWEEP_DIRS", set())
+    with pytest.raises(KeyboardInterrupt):
+        sweep.cli(["-m", "seed=1,2", *TINY, "--max-parallel", "2", f"hydra.sweep.dir={tmp_path}",
+                   "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    assert sorted(tmp_path.glob("*/result.json")) == []
+    assert not (tmp_path / "summary.jsonl").exists() or not (tmp_path / "summary.jsonl").read_text().strip()
 
 
 def test_launch_options_are_split_from_hydra_arguments():

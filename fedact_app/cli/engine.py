@@ -1,30 +1,32 @@
-"""A local simulation engine that serves many runs: one private SuperLink, and for runs made one
-at a time one private Ray cluster they all attach to.
+"""A local simulation engine that serves many runs: one private SuperLink, and (by default) one
+private Ray cluster they all attach to.
 
 A run of the app on a fresh SuperLink pays, besides its rounds, for the SuperLink's start, a Ray
 cluster's start and stop inside its ``flwr-simulation`` process, and the SuperLink's stop. A sweep
-of N jobs pays that N times. A :class:`LocalEngine` pays the SuperLink once and, with
-``max_parallel=1``, Ray once: Flower 1.41's Ray backend calls ``ray.init()`` without an address, so
-``RAY_ADDRESS`` in the SuperLink's environment makes every run's ``flwr-simulation`` attach to the
-engine's cluster (:mod:`.ray_cluster`). Each job stays its own Flower run (run id, log, status,
-run folder, seed); the engine only removes fixed costs, and a job's metrics are bit-identical to
-the same run on a fresh SuperLink (tests/test_reproducible_e2e.py).
+of N jobs pays that N times. A :class:`LocalEngine` pays the SuperLink once and, with a shared
+cluster (``shared_ray``, the default for ``max_parallel=1``), Ray once: Flower 1.41's Ray backend
+calls ``ray.init()`` without an address, so ``RAY_ADDRESS`` in the SuperLink's environment makes
+every run's ``flwr-simulation`` attach to the engine's cluster (:mod:`.ray_cluster`). Each job stays
+its own Flower run (run id, log, status, run folder, seed); the engine only removes fixed costs,
+and a job's metrics are bit-identical to the same run on a fresh SuperLink
+(tests/test_reproducible_e2e.py).
 
-With ``max_parallel > 1`` several runs are in flight on the one SuperLink, and each run starts a
-Ray cluster of its own (``RAY_ADDRESS=local``): Flower sizes a run's actor pool from the whole
+On a shared cluster runs compute one at a time: Flower sizes a run's actor pool from the whole
 cluster's CPUs, so runs computing side by side on one cluster would wait on each other's actors,
-past the round's and the identification's timeouts. No run ever attaches to a cluster the engine
-did not start.
+past the round's and the identification's timeouts. Up to ``max_parallel`` runs may still be in
+flight: a run is submitted once every other run in flight has said that its ServerApp ended with
+no client still working (an empty file named after its run id in ``$FEDACT_ENGINE_DONE_DIR``,
+:mod:`fedact_app.serverapp_done`; the FedACT ServerApp writes it). Flower 1.41 then still shuts the
+last run down for 2-3 s (its simulation threads' queue waits, its actors' release), which the next
+run's start (a new ``flwr-simulation`` process importing flwr, Ray, torch and the app) overlaps;
+its actors wait for the last run's to leave the cluster's CPUs. A run that ends otherwise (it
+failed, or a client did not answer in time and may still be working) is waited for until Flower
+has finished it, and so are the runs of an app that writes no such file.
+:meth:`LocalEngine.for_sweep` makes the engine a sweep uses.
 
-With one shared cluster and ``max_parallel > 1`` (``shared_ray=True``), runs are in flight
-together but compute one at a time: a run is submitted only once every other run in flight has
-said that its ServerApp has ended, by an empty file named after its run id in the folder named by
-``$FEDACT_ENGINE_DONE_DIR`` (:func:`mark_serverapp_done`; the FedACT ServerApp writes it). Flower
-1.41 then still shuts the last run down for 2-3 s (its simulation threads' queue waits, its
-actors' release), which the next run's start (a new ``flwr-simulation`` process importing flwr,
-Ray, torch and the app) overlaps; the next run's actors wait for the last run's to release the
-cluster's CPUs. An app that writes no such file has its runs one after another, as with
-``max_parallel=1``.
+With ``shared_ray=False`` each run starts a Ray cluster of its own (``RAY_ADDRESS=local``), as
+Flower does, and up to ``max_parallel`` runs compute side by side. No run ever attaches to a
+cluster the engine did not start.
 
 A run that outlives its ``timeout`` is stopped (the Control API's StopRun) and the engine is
 restarted before its next run, once no other run is in flight: Flower marks a stopped run finished
@@ -55,9 +57,9 @@ from fedact_app.cli import flwr
 from fedact_app.cli.flwr import LaunchError
 from fedact_app.cli.ray_cluster import RayCluster
 from fedact_app.cli.superlink import SimulationSuperLink
+from fedact_app.serverapp_done import DONE_DIR_ENV
 
 STARTUP_TIMEOUT = 120.0  # seconds for the Ray cluster and the SuperLink to start
-DONE_DIR_ENV = "FEDACT_ENGINE_DONE_DIR"  # where a ServerApp says it has ended (mark_serverapp_done)
 OVERLAPPED_RUNS = 2  # a sweep's runs in flight on one shared Ray cluster: one computing, the last one shutting down
 CONNECTION = "fedact-launch"  # the only connection in the engine's config.toml (`flwr ls` while it runs)
 BASE_ENV = {
@@ -75,8 +77,8 @@ class RunResult:
     status: str  # as `flwr ls` reports it: "finished:completed", "finished:failed", "running", ...
     completed: bool  # True only for "finished:completed"
     log: str  # the run's log (ServerApp + simulation output), ANSI colours stripped
-    seconds: float  # wall time of engine.run (an engine's start included when the run started it;
-    # run_simulation: the whole call, the SuperLink's stop included)
+    seconds: float  # wall time of engine.run, less its wait for other runs (an engine's start included
+    # when the run started it; run_simulation: the whole call, the SuperLink's stop included)
     details: str = ""  # `flwr ls` "status-details", e.g. "Simulation failed with exception: ..."
     timed_out: bool = False  # the run had not finished when `timeout` ran out
     superlink_pid: int = 0
@@ -85,18 +87,6 @@ class RunResult:
     def tail(self, lines: int = 40) -> str:
         """Last ``lines`` lines of the log."""
         return "\n".join(self.log.splitlines()[-lines:])
-
-
-def mark_serverapp_done(run_id: int) -> None:
-    """Tell the engine that ran this ServerApp that it has ended (an empty file named ``run_id`` in
-    ``$FEDACT_ENGINE_DONE_DIR``), so that its next run can start while Flower shuts this one down;
-    nothing outside an engine's runs, and nothing on failure (the engine then waits for the status)."""
-    folder = os.environ.get(DONE_DIR_ENV)
-    if folder:
-        try:
-            (Path(folder) / str(int(run_id))).touch()
-        except OSError:
-            pass
 
 
 def exit_on_termination() -> Callable[[], None]:
@@ -137,7 +127,8 @@ class LocalEngine:
 
     Parameters
     ----------
-    max_parallel: runs in flight at once (``run`` may be called from that many threads).
+    max_parallel: runs in flight at once (``run`` may be called from more threads; the others
+        wait).
     shared_ray: one Ray cluster for all runs, which then compute one at a time (default: when
         ``max_parallel`` is 1); False: each run's ``flwr-simulation`` starts its own, as Flower
         does, and runs compute side by side.
@@ -253,27 +244,31 @@ class LocalEngine:
         done_dir = Path(self.env[DONE_DIR_ENV])
         return any(run_id is None or not (done_dir / str(run_id)).exists() for run_id in self._in_flight.values())
 
-    def _claim(self) -> object:
-        """One more run in flight (its token); start the engine first if it is not running, or restart
-        it after a run past its timeout or when a process of it died (then only once no other run is
-        in flight). On a shared Ray cluster, wait until no other run computes (module docstring)."""
+    def _claim(self) -> tuple[object, float]:
+        """One more run in flight: its token, and the time (``time.monotonic()``) it stopped waiting
+        for other runs. Wait while ``max_parallel`` runs are in flight, or on a shared Ray cluster
+        while another run computes (module docstring); start the engine first if it is not running,
+        or restart it after a run past its timeout or when a process of it died (then only once no
+        other run is in flight)."""
         token = object()
         while True:
             with self._lock:
                 if self._closed:
                     raise LaunchError("the engine is closed")
-                if self.shared_ray and self._in_flight and self._computing():
-                    pass  # (a file check: cheap enough to ask every 0.1 s)
-                elif self._healthy():
-                    self._in_flight[token] = None
-                    return token
-                elif not self._in_flight:
-                    self._stop_processes()
-                    self._restart = False
-                    self._start()
-                    self._in_flight[token] = None
-                    return token
-            time.sleep(0.1)
+                waiting_on_others = len(self._in_flight) >= self.max_parallel or (
+                    self.shared_ray and self._in_flight and self._computing())
+                if not waiting_on_others:
+                    granted = time.monotonic()
+                    if self._healthy():
+                        self._in_flight[token] = None
+                        return token, granted
+                    if not self._in_flight:
+                        self._stop_processes()
+                        self._restart = False
+                        self._start()
+                        self._in_flight[token] = None
+                        return token, granted
+            time.sleep(0.1 if waiting_on_others else 0.5)  # a file check; a scan of /proc
 
     # ------------------------------------------------------------------ runs
 
@@ -293,7 +288,6 @@ class LocalEngine:
         """Submit one run of the Flower app in ``app_dir`` and wait for it (see
         :func:`fedact_app.cli.launch.run_simulation` for the parameters). LaunchError when the run
         could not be submitted."""
-        t0 = time.monotonic()
         app_path = Path(app_dir).expanduser().resolve()
         if not (app_path / "pyproject.toml").is_file():
             raise ValueError(f"{app_path} has no pyproject.toml; not a Flower app directory")
@@ -305,7 +299,7 @@ class LocalEngine:
             raise ValueError(f"{', '.join(sized)}: a run attached to the engine's shared Ray cluster cannot size "
                              "it (Ray refuses num_cpus/num_gpus when connecting); give the cluster's size to "
                              "LocalEngine(num_cpus=..., num_gpus=...), or use shared_ray=False")
-        token = self._claim()
+        token, t0 = self._claim()
         try:
             return self._run(token, app_path, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
                              run_config, time.monotonic() + timeout, federation_config, poll_interval, t0)
