@@ -159,7 +159,7 @@ def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, engine: sweep
                "error": f"{type(err).__name__}: {err}", "seconds": 0.0}
     else:
         row = sweep.run_combination(cfg, list(job.overrides), job_dir, launch, engine)
-    if sweep.STOPPING.is_set():  # interrupted: the row is not this job's outcome
+    if sweep.STOPPING.is_set() and row["status"] != "completed":  # interrupted: not this job's outcome
         return {**row, "skipped": False}
     sweep._write_atomic(job_dir / "result.json", json.dumps(row, indent=2) + "\n")
     with sweep.SUMMARY_LOCK:

@@ -220,7 +220,7 @@ def run_job(cfg: DictConfig, overrides: list[str], job_dir: Path, sweep_dir: Pat
     """One combination on the sweep's engine, its ``result.json``, the summary and a progress line."""
     assert ENGINE is not None, "the sweep's jobs run inside cli(), on its engine"
     row = run_combination(cfg, overrides, job_dir, LAUNCH, ENGINE)
-    if STOPPING.is_set():
+    if STOPPING.is_set() and row["status"] != "completed":
         return
     _write_atomic(job_dir / "result.json", json.dumps(row, indent=2) + "\n")  # write_summary may read it now
     with SUMMARY_LOCK:

@@ -305,6 +305,47 @@ def test_follow_run_reopens_a_broken_stream_and_names_why_when_the_run_does_not_
     assert len(streams) >= 2 and all(stream.stopped for stream in streams[-1:])
 
 
+def test_a_shared_cluster_engine_admits_a_run_once_the_others_ended_and_caps_the_runs_in_flight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LocalEngine._claim with its processes faked healthy: a second run waits while the first is
+    unsubmitted or its ServerApp has not written its file, a third waits while two are in flight."""
+    import threading
+
+    from fedact_app.serverapp_done import DONE_DIR_ENV
+
+    eng = engine.LocalEngine(max_parallel=2, shared_ray=True)
+    monkeypatch.setattr(eng, "_healthy", lambda: True)
+    eng.env = {DONE_DIR_ENV: str(tmp_path)}
+    first, _ = eng._claim()
+    claimed: list[object] = []
+
+    def claim() -> None:
+        try:
+            claimed.append(eng._claim()[0])
+        except launch.LaunchError:
+            claimed.append(None)
+
+    second = threading.Thread(target=claim)
+    second.start()
+    second.join(0.6)
+    assert second.is_alive() and not claimed  # the first is not even submitted
+    eng._in_flight[first] = 5
+    second.join(0.6)
+    assert second.is_alive()  # submitted, its ServerApp still running
+    (tmp_path / "5").touch()
+    second.join(10)
+    assert not second.is_alive() and claimed[0] is not None
+    eng._in_flight[claimed[0]] = 6
+    (tmp_path / "6").touch()
+    third = threading.Thread(target=claim)
+    third.start()
+    third.join(0.6)
+    assert third.is_alive()  # max_parallel=2 in flight, both ended: still capped
+    eng._closed = True
+    third.join(10)
+    assert not third.is_alive() and claimed[1:] == [None]
+
+
 def test_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pyproject.toml"):
         run_simulation(tmp_path)

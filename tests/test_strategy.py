@@ -57,3 +57,18 @@ def test_the_strategy_counts_messages_left_without_a_reply_and_is_idle_only_with
     AlgorithmStrategy.exchange(strategy, TimedGrid([0.0, None, None]), iter(["a", "b", "c"]), timeout=0.3)
     assert strategy.unanswered == 2 and not AlgorithmStrategy.clients_idle.fget(strategy)
     assert not AlgorithmStrategy.clients_idle.fget(SimpleNamespace(unanswered=0, open_queries={"m": 3}))
+
+
+def test_the_serverapp_tells_the_engine_it_ended_only_when_no_client_can_still_be_working(tmp_path, monkeypatch):
+    from fedact_app import server_app
+    from fedact_app.serverapp_done import DONE_DIR_ENV
+
+    monkeypatch.setenv(DONE_DIR_ENV, str(tmp_path))
+    for run_id, idle in ((7, True), (8, False)):
+        monkeypatch.setattr(server_app, "run_app", lambda grid, context, idle=idle: SimpleNamespace(clients_idle=idle))
+        server_app.main(None, SimpleNamespace(run_id=run_id))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["7"]
+    monkeypatch.delenv(DONE_DIR_ENV)  # outside an engine's runs: nothing is written
+    monkeypatch.setattr(server_app, "run_app", lambda grid, context: SimpleNamespace(clients_idle=True))
+    server_app.main(None, SimpleNamespace(run_id=9))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["7"]

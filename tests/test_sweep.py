@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -108,7 +107,7 @@ def test_an_interrupted_sweep_writes_no_outcome_for_the_run_it_stopped(tmp_path,
             assert second_started.wait(20)
             raise KeyboardInterrupt  # reaches the main thread through the job's future
         second_started.set()
-        time.sleep(0.5)  # still running when the sweep closes the engine
+        assert sweep.STOPPING.wait(20)  # still running when the sweep closes the engine
         return RunResult(run_id=2, status="finished:failed", completed=False, log="", seconds=1.0,
                          details="the SuperLink exited")
 

@@ -3,7 +3,8 @@
 
 - :mod:`.launch` - ``python3 -m fedact_app.cli.launch``: the app on a private simulation SuperLink.
 - :mod:`.engine` - one private SuperLink (:mod:`.superlink`) and one Ray cluster
-  (:mod:`.ray_cluster`) serving many runs: the launcher's one run, a sweep's, a study's.
+  (:mod:`.ray_cluster`; one per run when runs compute side by side) serving many runs: the
+  launcher's one run, a sweep's, a study's.
 - :mod:`.flwr` - the ``flwr`` CLI and the Control API as the engine and
   ``scripts/deploy/local_cluster.py`` drive them: console scripts, a ``FLWR_HOME`` with one
   connection, run configs as TOML, JSON answers, submitting a run and following it to the end.

@@ -240,7 +240,7 @@ class LocalEngine:
 
     def _computing(self) -> bool:
         """Whether a run in flight may still compute: not yet submitted, or its ServerApp has not
-        said it ended (:func:`mark_serverapp_done`)."""
+        said it ended (:func:`fedact_app.serverapp_done.mark_done`)."""
         done_dir = Path(self.env[DONE_DIR_ENV])
         return any(run_id is None or not (done_dir / str(run_id)).exists() for run_id in self._in_flight.values())
 
