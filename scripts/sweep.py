@@ -112,8 +112,9 @@ def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path, launch
     row = {"job": job_dir.name, "overrides": " ".join(overrides), "status": "", "run_dir": None,
            "final_test_accuracy": None, "best_test_accuracy": None, "error": ""}
 
-    def done(status: str, error: str = "") -> dict:
-        row.update(status=status, error=error, seconds=round(time.monotonic() - started, 1))
+    def done(status: str, error: str = "", seconds: float | None = None) -> dict:
+        row.update(status=status, error=error,
+                   seconds=round(time.monotonic() - started if seconds is None else seconds, 1))
         return row
 
     try:
@@ -128,17 +129,17 @@ def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path, launch
                             num_gpus_per_client=launch.num_gpus, timeout=launch.timeout)
     except Exception as err:  # the SuperLink did not start or the run was not accepted
         return done("launch error", f"{type(err).__name__}: {err}")
-    started = time.monotonic() - result.seconds  # the job's time, not its wait for the job before
     (job_dir / "flower.log").write_text(result.log)
     summaries = sorted(job_dir.glob("*/summary.json"))
     if summaries:
         summary = json.loads(summaries[-1].read_text())
         row.update(run_dir=summary["run_dir"], final_test_accuracy=summary["final_test_accuracy"],
                    best_test_accuracy=summary["best_test_accuracy"])
+    # a run's seconds leave out its wait for the job before (LocalEngine.run)
     if result.completed:
-        return done("completed")
+        return done("completed", seconds=result.seconds)
     reason = result.details or result.tail(20)
-    return done("timed out" if result.timed_out else "failed", f"{result.status}: {reason}")
+    return done("timed out" if result.timed_out else "failed", f"{result.status}: {reason}", result.seconds)
 
 
 def hydra_quoted(value: str) -> str:
