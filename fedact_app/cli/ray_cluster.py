@@ -6,7 +6,8 @@ it it starts and stops a cluster of its own (about 5 s on a 2-core machine). Thi
 head with ``ray start --head --block`` on loopback and free ports, in a fresh temporary directory,
 so that only the runs given its :attr:`RayCluster.address` use it: a cluster left by another
 program, or ``RAY_ADDRESS`` in the user's environment, is never picked up (the engine sets that
-variable itself). Stopping the ``--block`` process stops the cluster; its process tree is stopped too.
+variable itself). Its workers and the runs' drivers bind ports the OS picks, so that clusters of
+several engines on one machine never hand out one port twice (tests/test_ray_cluster.py). Stopping the ``--block`` process stops the cluster; its process tree is stopped too.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class RayCluster:
             "--port", str(port),
             "--ray-client-server-port", str(free_port()),
             "--dashboard-agent-listen-port", str(free_port()),
+            # workers and drivers bind ports the OS picks: by default `ray start` counts them up from
+            # 10002 in every cluster, and two clusters started together gave two drivers one port
+            "--min-worker-port", "0", "--max-worker-port", "0",
             "--include-dashboard", "false",
             "--disable-usage-stats",
             "--temp-dir", str(temp_dir),

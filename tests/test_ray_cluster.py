@@ -1,0 +1,44 @@
+"""The engine's shared Ray cluster (fedact_app.cli.ray_cluster) beside another one on the machine.
+
+``ray start`` hands its workers, a run's driver included, ports counted up from 10002 (it checks
+that a port is free before handing it out); ``ray.init()``'s own clusters bind ports the OS picks.
+Two engines started together (two sweeps, two test workers) thus handed their first drivers the
+same port: one driver's gRPC server could not bind it, Ray aborted that ``flwr-simulation`` process
+with no word on any log Flower keeps, and a minute later the SuperLink failed the run for a missing
+heartbeat.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fedact_app.cli.ray_cluster import RayCluster
+
+RAY_START_WORKER_PORTS = range(10002, 20000)  # `ray start --min/--max-worker-port` defaults (Ray 2.x)
+
+LISTENING = 'sorted(c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN")'
+DRIVER = textwrap.dedent(f"""
+    import json, sys, psutil, ray
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    driver = {LISTENING}
+    worker = ray.get(ray.remote(lambda: {LISTENING}).options(num_cpus=1).remote())
+    print("ports", json.dumps({{"driver": driver, "worker": worker}}))
+""")
+
+
+@pytest.mark.timeout(180)
+def test_the_clusters_driver_and_workers_listen_on_ports_the_os_picks():
+    cluster = RayCluster.start(num_cpus=1, num_gpus=None, env=dict(os.environ))
+    try:
+        proc = subprocess.run([sys.executable, "-c", DRIVER, cluster.address], capture_output=True, text=True,
+                              timeout=120, check=False)
+    finally:
+        cluster.stop()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (ports,) = [json.loads(line[len("ports "):]) for line in proc.stdout.splitlines() if line.startswith("ports ")]
+    assert ports["driver"] and ports["worker"], ports  # each listens on its gRPC port
+    assert not [p for listening in ports.values() for p in listening if p in RAY_START_WORKER_PORTS], ports
