@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,21 +28,15 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Group the tests for the worker processes (pyproject.toml: pytest-xdist ``--dist loadgroup``):
-    every file that starts real Flower processes (a test marked ``e2e``) in one group, run first
-    and one test after another on one worker, as without workers; every other file in a group of
-    its own (its module fixtures run once). The unit tests then run on the other workers beside
-    the Flower runs, in the third of two cores those leave idle while Flower's processes start
-    and stop. Flower runs of two workers side by side (each worker's own SuperLink and Ray
-    cluster) fail a run now and then here: its ``flwr-simulation`` goes silent at its start and
-    the SuperLink fails it for a missing heartbeat, also since procs.stop_tree stopped signalling
-    reused pids (the cause is not found: docs/PERFORMANCE.md); so they stay on one worker."""
+    """Files that start real Flower processes (a test marked ``e2e``) first: with pytest-xdist's
+    ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml) the workers take the files in this
+    order, so the long Flower files start at once, each worker's on its own engine (its own
+    SuperLink and Ray cluster), and the unit files fill the gaps at the end. (Two engines side by
+    side once failed a run now and then: their Ray clusters handed two drivers one port,
+    tests/test_ray_cluster.py.)"""
     flower_files = {item.path for item in items if item.get_closest_marker("e2e")}
     items.sort(key=lambda item: item.path not in flower_files)  # stable: the order within is kept
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("flower" if item.path in flower_files else item.path.name))
 
 
 # CPUs of each worker's Ray cluster, whatever the machine: a OneActorEngine's actor holds them all,
@@ -63,14 +58,28 @@ class OneActorEngine(LocalEngine):
 
 @pytest.fixture(scope="session")
 def flower_engine():
-    """One local engine for this test process's end-to-end runs (fedact_app.cli.engine.LocalEngine:
-    one SuperLink and one Ray cluster, runs one after another), as a sweep uses it: on 2 cores that
+    """One local engine for this test process's end-to-end runs, the one a sweep uses
+    (fedact_app.cli.engine.LocalEngine.for_sweep(1): one SuperLink and one Ray cluster, runs
+    computing one after another, the next starting while the last shuts down): on 2 cores that
     is faster than runs side by side, each paying for its own SuperLink and Ray. A run's clients
     train in one Ray actor unless the test asks for more (:class:`OneActorEngine`).
     tests/test_launch.py and tests/test_reproducible_e2e.py also run the app alone on a fresh
     SuperLink, with Flower's default of one CPU per client (one actor per CPU of the machine)."""
-    with OneActorEngine(num_cpus=ENGINE_CPUS) as engine:
+    with OneActorEngine.for_sweep(1, num_cpus=ENGINE_CPUS) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def on_flower_engine(flower_engine):
+    """``on_flower_engine(job, items)``: ``[job(item) for item in items]``, with as many jobs in
+    flight as the session's engine takes, as a sweep runs them: the next run starts while the last
+    one's Flower processes shut down."""
+
+    def run_all(job, items):
+        with ThreadPoolExecutor(flower_engine.max_parallel) as pool:
+            return list(pool.map(job, items))
+
+    return run_all
 
 
 class FakeEngine:
