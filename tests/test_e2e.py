@@ -1,7 +1,7 @@
 """End to end: the real app through `flwr run` on a real local SuperLink in simulation mode.
 
 Every method runs once on digits with its YAML defaults (the seed's). A module fixture runs the
-selected ones one after another on the session's engine (conftest.py ``flower_engine``).
+selected ones on the session's engine as a sweep runs its jobs (conftest.py ``on_flower_engine``).
 """
 
 import json
@@ -48,7 +48,7 @@ def selected_jobs(session) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory, flower_engine) -> dict:
+def runs(request, tmp_path_factory, flower_engine, on_flower_engine) -> dict:
     """name -> (output folder, RunResult) for every selected job."""
     base = tmp_path_factory.mktemp("runs")
 
@@ -62,7 +62,7 @@ def runs(request, tmp_path_factory, flower_engine) -> dict:
             result = err
         return name, output, result
 
-    return {name: (output, result) for name, output, result in map(run, sorted(selected_jobs(request.session)))}
+    return {name: (output, result) for name, output, result in on_flower_engine(run, sorted(selected_jobs(request.session)))}
 
 
 @pytest.fixture
@@ -154,15 +154,17 @@ def test_bad_override_fails_the_run_with_the_reason(tmp_path, flower_engine):
 
 @pytest.mark.e2e
 def test_rounds_without_usable_replies_stop_the_run_with_the_reason(tmp_path, flower_engine):
-    # 3 clients configured, 2 SuperNodes: every ClientApp refuses (num-partitions != num_clients),
-    # the model stays unchanged and the run stops after max_empty_rounds with a clear message.
-    result = flower_engine.run(APP_DIR, overrides=f"num_clients=3 num_rounds=5 max_empty_rounds=2 "
-                                                  f"local_steps=2 output_dir={tmp_path}",
+    # 1 client configured, 2 SuperNodes: every ClientApp refuses (num-partitions != num_clients),
+    # the model stays unchanged and the run stops after max_empty_rounds with a clear message. (Not
+    # more clients than SuperNodes: the first round would wait for the missing ones, 30 s.)
+    result = flower_engine.run(APP_DIR, overrides=f"num_clients=1 min_train_nodes=1 fraction_train=1.0 "
+                                                  f"num_rounds=5 max_empty_rounds=2 local_steps=2 "
+                                                  f"output_dir={tmp_path}",
                                num_supernodes=2, timeout=300)
     assert not result.completed
     text = result.log + result.details
     assert "No usable client reply in 2 consecutive rounds" in text
-    assert "num_clients=3" in text  # the ClientApp's reason reaches the run's log
+    assert "num_clients=1" in text  # the ClientApp's reason reaches the run's log
     assert "local_steps=2 < diagnostics.trust_every=10: clients sample no trust-score" in text
     rows = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]

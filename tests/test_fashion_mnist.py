@@ -183,7 +183,7 @@ def test_dirichlet_partition_of_the_converted_folder(fmnist):
 
 
 @pytest.fixture(scope="module")
-def runs(fmnist, flower_engine) -> dict:
+def runs(fmnist, flower_engine, on_flower_engine) -> dict:
     """method -> (output folder, RunResult) of RUN for FedACT and FedAdamW, on the session's engine."""
 
     def run(method):
@@ -195,7 +195,7 @@ def runs(fmnist, flower_engine) -> dict:
             result = err
         return method, (output, result)
 
-    return dict(map(run, METHODS))
+    return dict(on_flower_engine(run, METHODS))
 
 
 @pytest.mark.e2e

@@ -1,8 +1,8 @@
 """End to end: the language tasks through the real app (`flwr run` on a local simulation SuperLink).
 
 Tiny offline settings: a random llama_tiny (bytes tokenizer), 2 SuperNodes, 2 rounds, local data
-written here. A module fixture runs them one after another on the session's engine (conftest.py
-``flower_engine``, as tests/test_e2e.py) inside the first test's setup.
+written here. A module fixture runs them on the session's engine as a sweep runs its jobs (conftest.py
+``on_flower_engine``, as tests/test_e2e.py) inside the first test's setup.
 """
 
 import json
@@ -55,28 +55,25 @@ def jobs(data: dict[str, Path]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, flower_engine) -> dict:
-    """name -> (run folder or None, RunResult or exception, seconds)."""
-    import time
-
+def runs(tmp_path_factory, flower_engine, on_flower_engine) -> dict:
+    """name -> (run folder, RunResult or exception)."""
     base = tmp_path_factory.mktemp("lm_runs")
     specs = jobs(write_data(base))
 
     def run(name):
         output = base / name
-        started = time.perf_counter()
         try:
             result = flower_engine.run(APP_DIR, overrides=f"{specs[name]} output_dir={output}", num_supernodes=2,
                                        timeout=600)  # offline: conftest.py sets HF_*_OFFLINE
         except Exception as err:  # reported by the tests of this job only
             result = err
-        return name, output, result, time.perf_counter() - started
+        return name, output, result
 
-    return {name: (output, result, seconds) for name, output, result, seconds in map(run, sorted(specs))}
+    return {name: (output, result) for name, output, result in on_flower_engine(run, sorted(specs))}
 
 
 def finished(runs, name) -> tuple[Path, list[dict], dict]:
-    output, result, seconds = runs[name]
+    output, result = runs[name]
     if isinstance(result, Exception):
         raise result
     assert result.completed, f"{result.status} {result.details}\n{result.tail(80)}"
@@ -85,7 +82,7 @@ def finished(runs, name) -> tuple[Path, list[dict], dict]:
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert all(r["clients"] == 2 and r["rejected"] == 0 for r in rows[1:])
     assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["test_loss"]) for r in rows[1:])
-    print(f"{name}: {seconds:.0f} s")
+    print(f"{name}: {result.seconds:.0f} s")
     return folder, rows, json.loads((folder / "summary.json").read_text())
 
 

@@ -2,8 +2,8 @@
 run from the checkpoint its predecessor wrote after round 2 ends bit-exactly where 4 straight
 rounds end (a crash after round 2 leaves exactly that checkpoint behind).
 
-Real `flwr run` simulations on digits/cnn_small, CPU, 2 clients that train every round, one after
-another on the session's engine (conftest.py ``flower_engine``).
+Real `flwr run` simulations on digits/cnn_small, CPU, 2 clients that train every round, on the
+session's engine as a sweep runs its jobs (conftest.py ``on_flower_engine``).
 """
 
 import json
@@ -31,7 +31,7 @@ def run(engine, output: Path, overrides: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, flower_engine) -> dict:
+def runs(tmp_path_factory, flower_engine, on_flower_engine) -> dict:
     """name -> (run folder, metrics rows): per method 4 straight rounds and a run resumed from the
     straight run's round-2 checkpoint; plus a FedACT run whose partition 1 raises in round 1."""
     base = tmp_path_factory.mktemp("resume")
@@ -39,10 +39,10 @@ def runs(tmp_path_factory, flower_engine) -> dict:
     # partition 1 raises in round 1 and min_train_nodes=1 lets the round aggregate partition 0 alone
     first["fault"] = ("algorithm=fedact num_clients=2 fraction_train=1.0 min_train_nodes=1 local_steps=3 "
                       "num_rounds=2 device=cpu debug.fail_partitions=[1] debug.fail_rounds=[1]")
-    done = {name: run(flower_engine, base / name, first[name]) for name in first}
+    done = dict(zip(first, on_flower_engine(lambda name: run(flower_engine, base / name, first[name]), first)))
     resumed = {f"{m}-resumed": f"algorithm={m} {BASE} resume={done[m][0]}/checkpoints/round-00002.safetensors"
                for m in METHODS}
-    done.update({name: run(flower_engine, base / name, resumed[name]) for name in resumed})
+    done.update(zip(resumed, on_flower_engine(lambda name: run(flower_engine, base / name, resumed[name]), resumed)))
     return done
 
 
