@@ -76,8 +76,11 @@ def on_flower_engine(flower_engine):
     one's Flower processes shut down."""
 
     def run_all(job, items):
-        with ThreadPoolExecutor(flower_engine.max_parallel) as pool:
+        pool = ThreadPoolExecutor(flower_engine.max_parallel)
+        try:
             return list(pool.map(job, items))
+        finally:  # a failed job or an interrupt: the jobs not yet started never start
+            pool.shutdown(wait=True, cancel_futures=True)
 
     return run_all
 

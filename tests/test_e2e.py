@@ -62,7 +62,8 @@ def runs(request, tmp_path_factory, flower_engine, on_flower_engine) -> dict:
             result = err
         return name, output, result
 
-    return {name: (output, result) for name, output, result in on_flower_engine(run, sorted(selected_jobs(request.session)))}
+    jobs = sorted(selected_jobs(request.session))
+    return {name: (output, result) for name, output, result in on_flower_engine(run, jobs)}
 
 
 @pytest.fixture

@@ -39,10 +39,14 @@ def runs(tmp_path_factory, flower_engine, on_flower_engine) -> dict:
     # partition 1 raises in round 1 and min_train_nodes=1 lets the round aggregate partition 0 alone
     first["fault"] = ("algorithm=fedact num_clients=2 fraction_train=1.0 min_train_nodes=1 local_steps=3 "
                       "num_rounds=2 device=cpu debug.fail_partitions=[1] debug.fail_rounds=[1]")
-    done = dict(zip(first, on_flower_engine(lambda name: run(flower_engine, base / name, first[name]), first)))
+
+    def run_all(specs):  # name -> overrides
+        return dict(on_flower_engine(lambda name: (name, run(flower_engine, base / name, specs[name])), specs))
+
+    done = run_all(first)
     resumed = {f"{m}-resumed": f"algorithm={m} {BASE} resume={done[m][0]}/checkpoints/round-00002.safetensors"
                for m in METHODS}
-    done.update(zip(resumed, on_flower_engine(lambda name: run(flower_engine, base / name, resumed[name]), resumed)))
+    done.update(run_all(resumed))
     return done
 
 

@@ -7,7 +7,8 @@ head with ``ray start --head --block`` on loopback and free ports, in a fresh te
 so that only the runs given its :attr:`RayCluster.address` use it: a cluster left by another
 program, or ``RAY_ADDRESS`` in the user's environment, is never picked up (the engine sets that
 variable itself). Its workers and the runs' drivers bind ports the OS picks, so that clusters of
-several engines on one machine never hand out one port twice (tests/test_ray_cluster.py). Stopping the ``--block`` process stops the cluster; its process tree is stopped too.
+several engines on one machine never hand out one port twice (tests/test_ray_cluster.py). Stopping
+the ``--block`` process stops the cluster; its process tree is stopped too.
 """
 
 from __future__ import annotations
