@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +34,7 @@ DRIVER = textwrap.dedent(f"""
 def os_port_range() -> range | None:
     """The ports the OS picks from for a bind to port 0 (Linux), None where unknown."""
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         return None
     return range(low, high + 1)
