@@ -9,9 +9,9 @@ Hydra expands the overrides (``-m``; ``a=x,y`` sweeps a key; ``hydra.sweeper.par
 validated (fedact_app.config) and then run as its own Flower run with ``num_clients`` SuperNodes
 on one private local engine the whole sweep shares (``fedact_app.cli.engine.LocalEngine``: one
 SuperLink and one Ray cluster, one job computing at a time while the last one shuts down; a
-job's metrics are those of the same run launched alone): a run that fails, times out or has an invalid value is recorded and the sweep
-goes on. A value Hydra itself cannot compose (an unknown key, a wrong type)
-stops the sweep before any run starts: Hydra composes every combination first.
+job's metrics are those of the same run launched alone): a run that fails, times out or has an
+invalid value is recorded and the sweep goes on. A value Hydra itself cannot compose (an unknown
+key, a wrong type) stops the sweep before any run starts: Hydra composes every combination first.
 
 Launcher options, given before or between the Hydra overrides:
     --num-gpus F     GPUs per simulated client (default 0: CPU)
