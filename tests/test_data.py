@@ -63,11 +63,11 @@ def test_digits_split_sizes_determinism_and_range():
     train, test = splits.load_splits(digits_cfg(), seed=1)
     assert (len(train), len(test)) == (1437, 360)
     train2, test2 = splits.load_splits(digits_cfg(), seed=2)  # the split ignores the run seed
-    assert np.array_equal(train.with_format("numpy")[:]["image"], train2.with_format("numpy")[:]["image"])
-    assert np.array_equal(test.with_format("numpy")[:]["label"], test2.with_format("numpy")[:]["label"])
-    images = train.with_format("numpy")[:]["image"]
+    assert np.array_equal(train.images, train2.images)
+    assert np.array_equal(splits.labels_of(test), splits.labels_of(test2))
+    images = train.images
     assert images.shape == (1437, 1, 8, 8) and images.min() == 0.0 and images.max() == 1.0
-    test_counts = np.bincount(test.with_format("numpy")[:]["label"], minlength=10)
+    test_counts = np.bincount(splits.labels_of(test), minlength=10)
     assert test_counts.min() >= 35  # stratified: every digit about 36 times
 
 
@@ -84,13 +84,13 @@ def test_synthetic_shape_and_determinism():
     cfg = synthetic_cfg(channels=3, mean=[0.0] * 3, std=[1.0] * 3, image_size=6)
     train, test = splits.load_splits(cfg, seed=7)
     assert (len(train), len(test)) == (40, 12)
-    a = train.with_format("numpy")[:]
-    assert a["image"].shape == (40, 3, 6, 6) and 0.0 <= a["image"].min() and a["image"].max() <= 1.0
-    assert np.array_equal(np.bincount(a["label"]), [10, 10, 10, 10])
-    b = splits.load_splits(cfg, seed=7)[0].with_format("numpy")[:]
-    c = splits.load_splits(cfg, seed=8)[0].with_format("numpy")[:]
-    assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["label"], b["label"])
-    assert not np.array_equal(a["image"], c["image"])
+    a = train
+    assert a.images.shape == (40, 3, 6, 6) and 0.0 <= a.images.min() and a.images.max() <= 1.0
+    assert np.array_equal(np.bincount(a.labels), [10, 10, 10, 10])
+    b = splits.load_splits(cfg, seed=7)[0]
+    c = splits.load_splits(cfg, seed=8)[0]
+    assert np.array_equal(a.images, b.images) and np.array_equal(a.labels, b.labels)
+    assert not np.array_equal(a.images, c.images)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,6 +193,44 @@ def test_the_digits_split_is_kept_on_disk_and_read_back_without_scikit_learn(tmp
         assert np.array_equal(rewritten["y_train"], y_tr)
 
 
+DIGITS_RUN_PROCESS = """
+import json, sys
+from fedact_app.client_trainer import ClientTrainer
+from fedact_app.config import compose
+from fedact_app.server_app import CentralEvaluator, initial_model
+cfg = compose("num_clients=3 local_steps=2 partition.alpha=0.5")
+task, model, state, _ = initial_model(cfg)
+CentralEvaluator(cfg, task, model)(cfg.num_rounds, state)
+ClientTrainer(cfg).train_round(state, {}, partition_id=1, num_partitions=3, server_round=1, lr=1e-3,
+                               local_steps=2, global_step=0)
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"datasets", "pandas", "pyarrow"})))
+"""
+
+
+def test_a_digits_run_reads_its_data_without_importing_hugging_face_datasets(tmp_path):
+    """``digits`` and ``synthetic`` are arrays (``splits.ArraySplit``): a process that reads them
+    and their cached partition (a ServerApp's task and evaluation, a client's round) imports
+    neither ``datasets`` nor pandas or pyarrow, about 1 CPU-second each Flower process saves. The
+    first process draws the partition with flwr-datasets, which does import them."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FEDACT_CACHE_DIR": str(tmp_path / "cache")}
+    imported = [json.loads(subprocess.run([sys.executable, "-c", DIGITS_RUN_PROCESS], env=env, check=True,
+                                          capture_output=True, text=True).stdout.splitlines()[-1])
+                for _ in range(2)]
+    assert "datasets" in imported[0]  # flwr-datasets drew the Dirichlet partition
+    assert imported[1] == []
+
+
+def test_an_array_split_selects_rows_in_the_order_given():
+    split = splits.ArraySplit(np.arange(5 * 4, dtype=np.float32).reshape(5, 1, 2, 2), np.arange(5, dtype=np.int64))
+    picked = split.select([3, 0, 3])
+    assert len(picked) == 3 and picked.labels.tolist() == [3, 0, 3]
+    assert np.array_equal(picked.images[1], split.images[0]) and splits.labels_of(picked) is picked.labels
+
+
 def test_the_caches_are_off_with_an_empty_folder_name(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, "")
     monkeypatch.setenv("HOME", str(tmp_path))  # the default folder would be under here
@@ -212,7 +250,7 @@ def test_client_train_decodes_only_its_partition():
     cfg = Config(dataset=digits_cfg(), partition=PartitionConfig(name="dirichlet", alpha=0.5))
     parts = [data.load_client_train(cfg, i, 4) for i in range(4)]
     assert sum(len(p) for p in parts) == 1437
-    train_labels = splits.load_splits(digits_cfg())[0].with_format("numpy")[:]["label"]
+    train_labels = splits.labels_of(splits.load_splits(digits_cfg())[0])
     rows = partition.partition_indices(train_labels, 4, cfg.partition, cfg.seed)
     for part, idx in zip(parts, rows):
         assert torch.equal(part.labels, torch.as_tensor(train_labels[idx]))

@@ -20,13 +20,12 @@ import dataclasses
 import functools
 from typing import Any
 
-import datasets
 import numpy as np
 
 from fedact_app.config import Config, DatasetConfig, PartitionConfig
 from fedact_app.tasks.vision import partition
 from fedact_app.tasks.vision.partition import holdout_rows, partition_indices
-from fedact_app.tasks.vision.splits import labels_of, load_splits, resolve_path
+from fedact_app.tasks.vision.splits import Split, labels_of, load_splits, resolve_path
 from fedact_app.tasks.vision.tensors import ImageTensors, to_image_tensors
 
 
@@ -73,7 +72,7 @@ def _dataset_config(key: tuple) -> DatasetConfig:
 @functools.lru_cache(maxsize=2)
 def _splits_cached(
     dataset_key: tuple, data_dir: str | None, seed: int
-) -> tuple[datasets.Dataset, datasets.Dataset, np.ndarray, datasets.Dataset | None]:
+) -> tuple[Split, Split, np.ndarray, Split | None]:
     """The training split clients share (without the validation rows), the test split, the
     former's labels (read-only) and the validation rows (None when ``holdout_fraction`` is 0), per
     process."""

@@ -9,14 +9,16 @@ from __future__ import annotations
 import functools
 import hashlib
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import datasets
 import numpy as np
 
 from fedact_app.config import Config, ConfigError, PartitionConfig
 from fedact_app.tasks.vision.cache import cache_folder, read_cache_file, write_cache_file
 from fedact_app.tasks.vision.splits import LABEL
+
+if TYPE_CHECKING:
+    import datasets
 
 
 def partition_indices(
@@ -135,6 +137,8 @@ def _dirichlet_partition(
 
 def _label_dataset(labels: np.ndarray, rows: np.ndarray) -> datasets.Dataset:
     """The partitioner's input: the labels plus each row's index in the training split."""
+    import datasets  # only where a partition is drawn, not read from its file
+
     return datasets.Dataset.from_dict({LABEL: labels, "row": rows.astype(np.int64)})
 
 

@@ -1,5 +1,6 @@
-"""Vision data, step 1: the train and test splits as Hugging Face ``datasets.Dataset`` objects with
-two columns, ``image`` and ``label`` (renamed from ``dataset.image_column`` /
+"""Vision data, step 1: the train and test splits (a :data:`Split`: a Hugging Face
+``datasets.Dataset``, or for ``digits`` and ``synthetic`` an :class:`ArraySplit`) with two
+columns, ``image`` and ``label`` (renamed from ``dataset.image_column`` /
 ``dataset.label_column``), labels checked to lie in ``[0, num_classes)`` (:func:`load_splits`).
 
 Sources (``dataset.name`` / ``dataset.path`` / ``dataset.hub_path``):
@@ -38,16 +39,18 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, Union
 
-import datasets  # importable on the CPU torch: see fedact_app/tasks/vision/__init__.py
 import numpy as np
-import pyarrow.parquet as pq
 
 from fedact_app.config import ConfigError, DatasetConfig
 from fedact_app.tasks.vision.cache import cache_folder, read_cache_file, write_cache_file
 from fedact_app.tasks.hub import HubUnavailableError, unavailable_message
+
+if TYPE_CHECKING:
+    import datasets
 
 DIGITS_SPLIT_SEED = 0  # fixed: the digits train/test split never depends on the run's seed
 DIGITS_TEST_FRACTION = 0.2
@@ -60,9 +63,33 @@ class DatasetUnavailableError(HubUnavailableError):
     """A hub dataset could not be loaded (offline, or not in the cache)."""
 
 
-def load_splits(
-    cfg: DatasetConfig, data_dir: str | None = None, seed: int = 42
-) -> tuple[datasets.Dataset, datasets.Dataset]:
+@dataclass(frozen=True)
+class ArraySplit:
+    """A split held as arrays: float32 images (N, C, H, W) in [0, 1] and int64 labels (N,).
+
+    ``digits`` and ``synthetic`` are made in memory as these, with the two things the pipeline
+    asks of a ``datasets.Dataset`` (``len`` and ``select``), so that a run on them never imports
+    Hugging Face ``datasets`` (pandas, pyarrow, the hub client: about 1 CPU-second in every
+    process that reads data, the ServerApp's, each Ray actor's, each deployed ClientApp's).
+    Treat the arrays as read-only: cached splits share them.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def select(self, rows: Sequence[int] | np.ndarray) -> ArraySplit:
+        """The given rows, in that order (copies)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return ArraySplit(self.images[rows], self.labels[rows])
+
+
+Split = Union["datasets.Dataset", ArraySplit]  # what load_splits returns (module docstring)
+
+
+def load_splits(cfg: DatasetConfig, data_dir: str | None = None, seed: int = 42) -> tuple[Split, Split]:
     """The train and test splits with columns ``image`` and ``label``, labels validated.
 
     ``data_dir`` is the Hugging Face datasets cache (None: its default). ``seed`` only affects
@@ -87,10 +114,10 @@ def resolve_path(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
-def _digits_splits() -> tuple[datasets.Dataset, datasets.Dataset]:
+def _digits_splits() -> tuple[ArraySplit, ArraySplit]:
     """scikit-learn's digits as (1, 8, 8) float images in [0, 1], stratified 80/20 split."""
     arrays = _digits_arrays()
-    return _array_dataset(arrays["x_train"], arrays["y_train"]), _array_dataset(arrays["x_test"], arrays["y_test"])
+    return ArraySplit(arrays["x_train"], arrays["y_train"]), ArraySplit(arrays["x_test"], arrays["y_test"])
 
 
 DIGITS_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
@@ -135,28 +162,20 @@ def _fits_digits(arrays: dict[str, np.ndarray]) -> bool:
             and all(0 <= a.min() and a.max() <= (1 if a.dtype == np.float32 else 9) for a in arrays.values()))
 
 
-def _synthetic_splits(cfg: DatasetConfig, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+def _synthetic_splits(cfg: DatasetConfig, seed: int) -> tuple[ArraySplit, ArraySplit]:
     """Class-conditional images: a random mean pattern per class plus noise, clipped to [0, 1]."""
     means_seq, train_seq, test_seq = np.random.SeedSequence(seed % 2**63).spawn(3)
     shape = (cfg.channels, cfg.image_size, cfg.image_size)
     means = np.random.default_rng(means_seq).uniform(0.0, 1.0, (cfg.num_classes, *shape))
 
-    def sample(seq: np.random.SeedSequence, n: int) -> datasets.Dataset:
+    def sample(seq: np.random.SeedSequence, n: int) -> ArraySplit:
         rng = np.random.default_rng(seq)
         labels = rng.permutation(np.arange(n) % cfg.num_classes).astype(np.int64)
         noise = rng.normal(0.0, SYNTHETIC_NOISE_STD, (n, *shape))
         images = np.clip(means[labels] + noise, 0.0, 1.0).astype(np.float32)
-        return _array_dataset(images, labels)
+        return ArraySplit(images, labels)
 
     return sample(train_seq, cfg.num_train), sample(test_seq, cfg.num_test)
-
-
-def _array_dataset(images: np.ndarray, labels: np.ndarray) -> datasets.Dataset:
-    """A Dataset of float (C, H, W) image arrays and int64 labels."""
-    features = datasets.Features(
-        {IMAGE: datasets.Array3D(shape=images.shape[1:], dtype="float32"), LABEL: datasets.Value("int64")}
-    )
-    return datasets.Dataset.from_dict({IMAGE: images, LABEL: labels}, features=features)
 
 
 def _load_external(
@@ -164,6 +183,8 @@ def _load_external(
 ) -> tuple[datasets.Dataset, datasets.Dataset, tuple[str, str]]:
     """The raw train/test splits from ``cfg.path`` if set, else from the hub, and their
     (image, label) column names: the configured ones, or ``image``/``label`` for an image folder."""
+    import datasets  # importable on the CPU torch: see fedact_app/tasks/vision/__init__.py
+
     splits = (cfg.train_split, cfg.test_split)
     columns = (cfg.image_column, cfg.label_column)
     if cfg.path is None:
@@ -186,6 +207,8 @@ def _load_external(
 
 def _load_hub(cfg: DatasetConfig, data_dir: str | None) -> datasets.DatasetDict:
     """``load_dataset(cfg.hub_path)``; any I/O failure becomes a DatasetUnavailableError."""
+    import datasets
+
     if not cfg.hub_path:
         raise ValueError(f"dataset {cfg.name!r} has neither dataset.path nor dataset.hub_path set.")
     try:
@@ -240,6 +263,8 @@ def check_local_path(cfg: DatasetConfig) -> None:
 
 def _read_parquet_footer(file: str) -> None:
     """Read only ``file``'s parquet footer (schema, row groups); ValueError naming it if that fails."""
+    import pyarrow.parquet as pq
+
     try:
         pq.read_metadata(file)
     except (OSError, ValueError) as err:  # pyarrow: ArrowInvalid is a ValueError, ArrowIOError an OSError
@@ -300,7 +325,7 @@ def _normalize_columns(
     return ds.rename_columns(renames) if renames else ds
 
 
-def _check_labels(ds: datasets.Dataset, cfg: DatasetConfig, split: str, column: str) -> None:
+def _check_labels(ds: Split, cfg: DatasetConfig, split: str, column: str) -> None:
     """Labels must be integers in [0, num_classes): clear error naming the column and value."""
     labels = labels_of(ds)
     where = f"Label column '{column}' of the {split!r} split of dataset {cfg.name!r}"
@@ -314,7 +339,9 @@ def _check_labels(ds: datasets.Dataset, cfg: DatasetConfig, split: str, column: 
         )
 
 
-def labels_of(ds: datasets.Dataset) -> np.ndarray:
+def labels_of(ds: Split) -> np.ndarray:
     """The label column as a numpy array (respecting any row selection)."""
+    if isinstance(ds, ArraySplit):
+        return ds.labels
     return np.asarray(ds.with_format("numpy", columns=[LABEL])[:][LABEL])
 

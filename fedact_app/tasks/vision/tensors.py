@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,7 @@ from PIL import Image
 from torch import Tensor
 
 from fedact_app.config import DatasetConfig
-from fedact_app.tasks.vision.splits import IMAGE, labels_of
+from fedact_app.tasks.vision.splits import IMAGE, ArraySplit, Split, labels_of
 
 
 @dataclass
@@ -34,7 +33,7 @@ class ImageTensors:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-def to_image_tensors(ds: datasets.Dataset, cfg: DatasetConfig) -> ImageTensors:
+def to_image_tensors(ds: Split, cfg: DatasetConfig) -> ImageTensors:
     """Decode a split (columns ``image``/``label``) into normalized float32 tensors."""
     images = _decode_images(ds, cfg)
     images = _resize(images, cfg.image_size)
@@ -44,21 +43,25 @@ def to_image_tensors(ds: datasets.Dataset, cfg: DatasetConfig) -> ImageTensors:
     return ImageTensors(((images - mean) / std).contiguous(), labels)
 
 
-def _decode_images(ds: datasets.Dataset, cfg: DatasetConfig) -> Tensor:
+def _decode_images(ds: Split, cfg: DatasetConfig) -> Tensor:
     """(N, C, H, W) float32 in [0, 1], from PIL images or from float (C, H, W) arrays."""
+    if isinstance(ds, ArraySplit):
+        return _array_images(ds.images, cfg)
+    import datasets
+
     feature = ds.features[IMAGE]
     if isinstance(feature, dict) and "bytes" in feature:  # parquet written without HF metadata
         ds = ds.cast_column(IMAGE, datasets.Image())
         feature = ds.features[IMAGE]
     if not isinstance(feature, datasets.Image):
-        return _array_images(ds, cfg)
+        return _array_images(ds.with_format("numpy", columns=[IMAGE])[:][IMAGE], cfg)
     chunks = [_pil_batch(batch[IMAGE], cfg) for batch in ds.select_columns([IMAGE]).iter(batch_size=1024)]
     return torch.cat(chunks) if chunks else torch.empty(0, cfg.channels, cfg.image_size, cfg.image_size)
 
 
-def _array_images(ds: datasets.Dataset, cfg: DatasetConfig) -> Tensor:
+def _array_images(arrays: Any, cfg: DatasetConfig) -> Tensor:
     """Float image arrays (N, C, H, W) or (N, H, W), checked against ``cfg.channels``."""
-    images = torch.as_tensor(np.asarray(ds.with_format("numpy", columns=[IMAGE])[:][IMAGE], dtype=np.float32))
+    images = torch.as_tensor(np.asarray(arrays, dtype=np.float32))
     if images.dim() == 3:
         images = images.unsqueeze(1)
     if images.dim() != 4 or images.shape[1] != cfg.channels:
