@@ -4,7 +4,7 @@
     python scripts/bench_run.py --setting vit --data /work/data/fmnist   # issue 20's tiny-ViT Fashion-MNIST run
     python scripts/bench_run.py --quick                  # a smoke run (2 rounds, 1 repeat, 2 jobs)
 
-Three figures, measured in one go, each as a ratio to the plain loop measured in the same go:
+Four parts, measured in one go, each as a ratio to the plain loop measured in the same go:
 
 1. **Whole run**: what ``python -m fedact_app.cli.launch`` does, called in this process
    (``run_simulation``: a fresh SuperLink, Ray started inside the run, start to return; the
@@ -21,6 +21,14 @@ Three figures, measured in one go, each as a ratio to the plain loop measured in
    between two jobs' ends), and the fixed cost per job (that minus the plain loop's whole run).
    With ``--max-parallel P`` the same jobs run again P at a time (``scripts/sweep.py
    --max-parallel``: each run its own Ray cluster), and the two sweeps' wall times are compared.
+4. **Flower's floor** (``--no-floor`` skips it): the same three, for a Flower app that computes
+   nothing (``scripts/flower_floor``: the run's nodes, clients per round and rounds, messages of the
+   app's shapes, the app's reply loop and imports). Each gives a bound: the app's figure if its
+   computing added no more than the plain loop's rounds to Flower's own costs (whole run: floor
+   run + plain rounds; median round: plain round + floor round, also with one message a round,
+   the latency no overlap can hide; fixed cost per job: floor job + plain rounds - plain run).
+   Where a bound misses a target, no PyTorch app sending these messages can meet it on Flower 1.41
+   and this machine.
 
 The plain loop uses the app's own pieces (the ServerApp's ``initial_model`` and
 ``CentralEvaluator``, ``ClientTrainer``, the method's server rule, ``sample_clients``), clients one after another in one process with the
@@ -39,10 +47,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1]
+FLOOR_DIR = APP_DIR / "scripts" / "flower_floor"  # the app's federation and messages, no compute
 if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
@@ -96,7 +106,15 @@ def plain_run(overrides: str) -> dict:
         if (metrics := evaluator(server_round, x)) is not None:
             accuracy = metrics.get("test_accuracy", accuracy)
         rounds.append(time.perf_counter() - started)
-    return {"rounds": rounds, "final_test_accuracy": accuracy}
+    # what a training message carries (the global model, the broadcast arrays) and a reply (the
+    # delta, the method's reply arrays), for the floor app's messages of the same size
+    out = [x, *rule.broadcast().values()]
+    back = [updates[-1].delta, *updates[-1].arrays.values()]
+    return {"rounds": rounds, "final_test_accuracy": accuracy,
+            "shapes_out": [list(t.shape) for arrays in out for t in arrays.values()],
+            "shapes_back": [list(t.shape) for arrays in back for t in arrays.values()],
+            "clients_per_round": sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes),
+            "num_clients": cfg.num_clients, "num_rounds": cfg.num_rounds}
 
 
 def plain_process(overrides: str) -> dict:
@@ -120,6 +138,13 @@ def run_record(output: Path) -> dict:
     return {"rounds": [r["seconds"] for r in rows if r["round"] >= 1], "summary": summary}
 
 
+def completed(result, what: str):
+    """``result`` (a RunResult), or RuntimeError naming ``what`` when the run did not complete."""
+    if not result.completed:
+        raise RuntimeError(f"{what} did not complete: {result.status} {result.details}\n{result.tail()}")
+    return result
+
+
 def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
     """One launcher run, as ``python -m fedact_app.cli.launch`` makes it; its wall time split."""
     from fedact_app.cli.launch import run_simulation
@@ -127,11 +152,10 @@ def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
 
     cfg = compose(overrides)
     begun = time.time()
-    result = run_simulation(APP_DIR, overrides=f"{overrides} output_dir={output}".strip(),
-                            num_supernodes=cfg.num_clients, num_cpus_per_client=num_cpus, timeout=3600, env=ENV)
+    result = completed(run_simulation(APP_DIR, overrides=f"{overrides} output_dir={output}".strip(),
+                                      num_supernodes=cfg.num_clients, num_cpus_per_client=num_cpus,
+                                      timeout=3600, env=ENV), "the app run")
     ended = time.time()
-    if not result.completed:
-        raise RuntimeError(f"the app run did not complete: {result.status} {result.details}\n{result.tail()}")
     record = run_record(output)
     summary = record["summary"]
     rounds = sum(record["rounds"])
@@ -140,33 +164,69 @@ def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
             "final_test_accuracy": summary["final_test_accuracy"]}
 
 
-def sweep_jobs(overrides: str, jobs: int, base: Path, num_cpus: int, max_parallel: int = 1) -> tuple[list[dict], float]:
-    """``jobs`` runs (seeds 1..jobs) on one engine as ``scripts/sweep.py --max-parallel
-    max_parallel`` runs them; each job's record, wall time and end (seconds after the sweep's
-    start), and the sweep's wall time from the first job's start to the last one's end."""
-    from fedact_app.cli.engine import LocalEngine
+def floor_config(plain: dict, output: Path, clients_per_round: int | None = None) -> dict:
+    """The floor app's run config (scripts/flower_floor): the plain run's nodes, clients per round
+    (or ``clients_per_round``), rounds and message shapes; its rounds' seconds go to ``output``."""
+    return {"num-rounds": plain["num_rounds"], "num-nodes": plain["num_clients"],
+            "clients-per-round": clients_per_round or plain["clients_per_round"], "seed": 0,
+            "shapes-out": json.dumps(plain["shapes_out"]), "shapes-back": json.dumps(plain["shapes_back"]),
+            "output": str(output)}
+
+
+def floor_alone(plain: dict, output: Path, num_cpus: int) -> dict:
+    """One launcher run of the floor app: its wall time and rounds' seconds."""
+    from fedact_app.cli.launch import run_simulation
+
+    result = completed(run_simulation(FLOOR_DIR, run_config=floor_config(plain, output),
+                                      num_supernodes=plain["num_clients"], num_cpus_per_client=num_cpus,
+                                      timeout=3600, env=ENV), "the floor run")
+    return {**json.loads(output.read_text()), "wall": result.seconds}
+
+
+def app_job(overrides: str, seed: int, output: Path, num_cpus: int) -> Callable:
+    """A sweep job of the app (seed ``seed``): a function of the engine returning its record."""
     from fedact_app.config import compose
 
-    cfg = compose(overrides)
+    num_clients = compose(overrides).num_clients
+
+    def run(engine) -> dict:
+        result = completed(engine.run(APP_DIR, overrides=f"{overrides} seed={seed} output_dir={output}".strip(),
+                                      num_supernodes=num_clients, num_cpus_per_client=num_cpus, timeout=3600),
+                           f"sweep job {seed}")
+        return {**run_record(output), "wall": result.seconds}
+
+    return run
+
+
+def floor_job(plain: dict, output: Path, num_cpus: int, clients_per_round: int | None = None) -> Callable:
+    """A sweep job of the floor app: a function of the engine returning its record."""
+    def run(engine) -> dict:
+        result = completed(engine.run(FLOOR_DIR, run_config=floor_config(plain, output, clients_per_round),
+                                      num_supernodes=plain["num_clients"], num_cpus_per_client=num_cpus,
+                                      timeout=3600), "a floor job")
+        return {**json.loads(output.read_text()), "wall": result.seconds}
+
+    return run
+
+
+def sweep(jobs: list[Callable], max_parallel: int = 1) -> list[dict]:
+    """``jobs`` (functions of the engine) on one engine as ``scripts/sweep.py --max-parallel
+    max_parallel`` runs them; each job's record with its end (seconds after the sweep's start)."""
+    from fedact_app.cli.engine import LocalEngine
+
     with LocalEngine.for_sweep(max_parallel, env=ENV) as engine:
-        def job(seed: int) -> dict:
-            output = base / f"job-p{max_parallel}-{seed}"
-            result = engine.run(APP_DIR, overrides=f"{overrides} seed={seed} output_dir={output}".strip(),
-                                num_supernodes=cfg.num_clients, num_cpus_per_client=num_cpus, timeout=3600)
-            if not result.completed:
-                raise RuntimeError(f"sweep job {seed} did not complete: {result.status}\n{result.tail()}")
-            return {**run_record(output), "wall": result.seconds, "end": time.monotonic() - started}
+        def job(run: Callable) -> dict:
+            return {**run(engine), "end": time.monotonic() - started}
 
         started = time.monotonic()
         pool = ThreadPoolExecutor(engine.max_parallel)
         try:
-            found = list(pool.map(job, range(1, jobs + 1)))
+            return list(pool.map(job, jobs))
         except BaseException:  # a failed job, Ctrl-C: stop the runs in flight, not wait for the queue
             engine.close()
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        return found, time.monotonic() - started
 
 
 # ------------------------------------------------------------------ report
@@ -186,9 +246,11 @@ def machine() -> str:
 
 
 def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], jobs: list[dict],
-           num_cpus: int, sweeps: dict[int, tuple[float, list[float]]] | None = None) -> str:
+           num_cpus: int, sweeps: dict[int, tuple[float, list[float]]] | None = None,
+           floor: dict | None = None) -> str:
     """The table; ``sweeps``: per --max-parallel value (1 and the asked one) the sweep's wall time
-    and its jobs' own wall times."""
+    and its jobs' own wall times; ``floor``: the floor app's runs alone (``"alone"``), its sweep
+    jobs (``"jobs"``) and its job of one message a round (``"single"``)."""
     import torch
 
     med = statistics.median
@@ -230,9 +292,45 @@ def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], j
             own = f" (a job's own wall {spread(walls)})" if parallel > 1 else ""
             lines.append(f"{f'   --max-parallel {parallel}: sweep wall / {len(jobs)} jobs':44} {wall / len(jobs):>22.1f} "
                          f"{wall / sequential:>7.2f}x of --max-parallel 1{own}")
+    if floor and floor["alone"]:
+        lines += floor_report(plain, floor)
     accuracy = {round(p["final_test_accuracy"], 4) for p in plain} | {round(a["final_test_accuracy"], 4) for a in alone}
     lines += ["", f"final test accuracy, plain loop and app runs (one seed): {sorted(accuracy)}"]
     return "\n".join(lines)
+
+
+def floor_report(plain: list[dict], floor: dict) -> list[str]:
+    """The floor app's rows, each with the bound it puts on a figure of the app: what the app would
+    cost if its compute added no more than the plain loop's to Flower's own costs."""
+    med = statistics.median
+    plain_wall = med([p["wall"] for p in plain])
+    plain_rounds = med([sum(p["rounds"]) for p in plain])
+    plain_round = med([med(p["rounds"][1:] or p["rounds"]) for p in plain])
+
+    def row(name: str, seconds: str, ratio: float | None = None) -> str:
+        return f"{name:44} {seconds:>22}" + ("" if ratio is None else f" {ratio:>7.2f}x")
+
+    walls = [f["wall"] for f in floor["alone"]]
+    floor_round = med([med(f["rounds"][1:] or f["rounds"]) for f in floor["alone"]])
+    lines = ["", "Flower's floor: scripts/flower_floor, the same nodes, clients a round, rounds and message",
+             "sizes, nothing computed; a bound is the app's figure if computing added only the plain loop's",
+             row("F1. floor run alone (launcher, start to exit)", spread(walls), med(walls) / plain_wall),
+             row("   bound on 1.: F1 + plain rounds", f"{med(walls) + plain_rounds:.1f}",
+                 (med(walls) + plain_rounds) / plain_wall),
+             row(f"F2. floor median round 2..R, {plain[0]['clients_per_round']} messages", f"{floor_round:.3f}"),
+             row("   bound on the median round: plain + F2", f"{plain_round + floor_round:.3f}",
+                 (plain_round + floor_round) / plain_round)]
+    if floor.get("single"):
+        single = med(floor["single"]["rounds"][1:] or floor["single"]["rounds"])
+        lines += [row("   floor median round, 1 message a round", f"{single:.3f}"),
+                  row("   its bound on the median round: plain + it", f"{plain_round + single:.3f}",
+                      (plain_round + single) / plain_round)]
+    if len(floor.get("jobs", ())) > 1:
+        ends = sorted(j["end"] for j in floor["jobs"])
+        gaps = [later - earlier for earlier, later in zip(ends, ends[1:])]
+        lines += [row("F3. floor sweep, wall per job after the first", spread(gaps), med(gaps) / plain_wall),
+                  row("   bound on the fixed cost per job", f"{med(gaps) + plain_rounds - plain_wall:.1f}")]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                              "compare the sweep's wall time with one at a time")
     parser.add_argument("--num-cpus", type=int, default=1,
                         help="CPUs per simulated client (default 1, the launcher's; one Ray actor each)")
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="skip the floor app's runs (scripts/flower_floor: Flower's own costs)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 1 repeat, 2 jobs (a smoke run)")
     parser.add_argument("--plain-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -264,18 +364,27 @@ def main(argv: list[str] | None = None) -> int:
                                        args.overrides, "num_rounds=2" if args.quick else ""]))
     if args.quick:
         args.repeats, args.jobs = 1, min(args.jobs, 2)
-    plain, alone = [], []
+    plain, alone, floor = [], [], {"alone": [], "jobs": [], "single": None}
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         base = Path(tmp)
         for repeat in range(args.repeats):
             plain.append(plain_process(overrides))
             alone.append(app_alone(overrides, base / f"alone-{repeat}", args.num_cpus))
+            if args.floor:
+                floor["alone"].append(floor_alone(plain[0], base / f"floor-alone-{repeat}.json", args.num_cpus))
         jobs, sweeps = [], {}
         for parallel in sorted({1, args.max_parallel}) if args.jobs else ():
-            found, wall = sweep_jobs(overrides, args.jobs, base, args.num_cpus, parallel)
-            jobs = jobs or found
-            sweeps[parallel] = (wall, [j["wall"] for j in found])
-    print(report(args.setting, overrides, plain, alone, jobs, args.num_cpus, sweeps))
+            runs = [app_job(overrides, seed, base / f"job-p{parallel}-{seed}", args.num_cpus)
+                    for seed in range(1, args.jobs + 1)]
+            if parallel == 1 and args.floor:  # the floor's jobs on the same engine, after the app's
+                runs += [floor_job(plain[0], base / f"floor-job-{i}.json", args.num_cpus) for i in range(args.jobs)]
+                runs.append(floor_job(plain[0], base / "floor-job-single.json", args.num_cpus, clients_per_round=1))
+            found = sweep(runs, parallel)
+            jobs = jobs or found[:args.jobs]
+            sweeps[parallel] = (max(j["end"] for j in found[:args.jobs]), [j["wall"] for j in found[:args.jobs]])
+            if parallel == 1 and args.floor:
+                floor["jobs"], floor["single"] = found[args.jobs:-1], found[-1]
+    print(report(args.setting, overrides, plain, alone, jobs, args.num_cpus, sweeps, floor))
     return 0
 
 

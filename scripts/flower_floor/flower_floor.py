@@ -1,0 +1,76 @@
+"""The floor of a Flower 1.41 run for a PyTorch app: the FedACT app's federation and messages,
+no compute. ``scripts/bench_run.py`` runs it next to the app to show what Flower itself costs.
+
+The ServerApp does what the FedACT ServerApp does around its compute: it waits for its
+``num-nodes`` SuperNodes, asks each once who it is (a QUERY message, as the strategy identifies
+its clients), then for ``num-rounds`` rounds sends ``clients-per-round`` nodes a training message
+carrying float32 arrays of ``shapes-out`` (the global model and the method's broadcast arrays) and
+collects their replies with the app's own reply loop (``fedact_app.strategy.exchange``). A
+ClientApp answers at once with arrays of ``shapes-back`` (the model delta and the method's reply
+arrays). No model, data, training, aggregation or evaluation: what is left is Flower's processes,
+Ray, the message path, the serialisation of messages of the app's size and the imports every
+PyTorch app makes (torch, flwr, and this module's one of ``fedact_app``). The ServerApp writes
+each round's seconds to ``output`` and, when every message had its reply, tells a local engine it
+has ended (``fedact_app.serverapp_done``), as the app does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from fedact_app.serverapp_done import mark_done
+from fedact_app.strategy import exchange
+from fedact_app.wire import array_record
+
+server = ServerApp()
+client = ClientApp()
+TIMEOUT = 600.0  # seconds a round waits for its replies
+
+
+@functools.lru_cache(maxsize=4)
+def arrays(shapes_json: str):
+    """An ArrayRecord of float32 zeros of the given shapes (built once per process)."""
+    return array_record({str(i): torch.zeros(shape) for i, shape in enumerate(json.loads(shapes_json))})
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    config = context.run_config
+    rounds, per_round, num_nodes = (int(config[key]) for key in ("num-rounds", "clients-per-round", "num-nodes"))
+    while len(nodes := sorted(grid.get_node_ids())) < num_nodes:
+        time.sleep(0.1)
+    queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
+    answered = len(exchange(grid, queries, TIMEOUT)) == len(queries)
+    sampler = random.Random(int(config["seed"]))
+    seconds = []
+    for server_round in range(1, rounds + 1):
+        started = time.perf_counter()
+        content = RecordDict({"model": arrays(str(config["shapes-out"])),
+                              "config": ConfigRecord({"server-round": server_round})})
+        messages = [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
+                    for node in sorted(sampler.sample(nodes, per_round))]
+        answered &= len(exchange(grid, messages, TIMEOUT)) == len(messages)
+        seconds.append(time.perf_counter() - started)
+    if config["output"]:
+        Path(str(config["output"])).write_text(json.dumps({"rounds": seconds, "answered": answered}))
+    if answered:
+        mark_done(context.run_id)
+
+
+@client.query()
+def identify(msg: Message, context: Context) -> Message:
+    return Message(content=RecordDict({"identity": ConfigRecord({})}), reply_to=msg)
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    return Message(content=RecordDict({"delta": arrays(str(context.run_config["shapes-back"]))}), reply_to=msg)
