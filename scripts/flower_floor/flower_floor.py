@@ -12,6 +12,12 @@ Ray, the message path, the serialisation of messages of the app's size and the i
 PyTorch app makes (torch, flwr, and this module's one of ``fedact_app``). The ServerApp writes
 each round's seconds to ``output`` and, when every message had its reply, tells a local engine it
 has ended (``fedact_app.serverapp_done``), as the app does.
+
+Flower's simulation hands a pushed message to the ClientApps when its dispatch loop next polls
+(every 0.1 s, ``vce_api.add_messages_to_queue``). Rounds that compute nothing lock to that loop
+and wait nearly the whole period; a round that computes starts at a random point of it.
+``phase-jitter`` > 0 waits a seeded uniform random time up to that many seconds before each
+round, outside the round's clock, so that the rounds measure the wait a computing round has.
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ def main(grid: Grid, context: Context) -> None:
         time.sleep(0.1)
     queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
     answered = len(exchange(grid, queries, TIMEOUT)) == len(queries)
-    sampler = random.Random(int(config["seed"]))
+    sampler, phase = random.Random(int(config["seed"])), random.Random(int(config["seed"]) + 1)
     seconds = []
     for server_round in range(1, rounds + 1):
+        time.sleep(phase.uniform(0.0, float(config["phase-jitter"])))
         started = time.perf_counter()
         content = RecordDict({"model": arrays(str(config["shapes-out"])),
                               "config": ConfigRecord({"server-round": server_round})})
