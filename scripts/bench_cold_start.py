@@ -11,8 +11,9 @@ ClientApp's train handler does for partition 0 in round 1 and times its phases:
 
 - imports: ``fedact_app.client_app`` (torch, Flower; not what Flower itself imports before it
   loads the app);
-- trainer: the run config, the task (its data libraries: datasets for vision), the model and the
-  optimizer (``trainer_for``);
+- trainer: the run config, the task (its data libraries: Hugging Face datasets for hub, parquet
+  and image-folder data; none for digits and synthetic), the model and the optimizer
+  (``trainer_for``);
 - data: the splits, the partition and the decoding of the client's rows;
 - round: the K local steps and the reply's arrays (``ClientTrainer.train_round``);
 - warm round: the same round again in the same process, what a simulation client pays from

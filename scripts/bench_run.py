@@ -4,7 +4,7 @@
     python scripts/bench_run.py --setting vit --data /work/data/fmnist   # issue 20's tiny-ViT Fashion-MNIST run
     python scripts/bench_run.py --quick                  # a smoke run (2 rounds, 1 repeat, 2 jobs)
 
-Four parts, measured in one go, each as a ratio to the plain loop measured in the same go:
+Four parts, measured in one go, with ratios to the plain loop measured in the same go:
 
 1. **Whole run**: what ``python -m fedact_app.cli.launch`` does, called in this process
    (``run_simulation``: a fresh SuperLink, Ray started inside the run, start to return; the
@@ -21,14 +21,17 @@ Four parts, measured in one go, each as a ratio to the plain loop measured in th
    between two jobs' ends), and the fixed cost per job (that minus the plain loop's whole run).
    With ``--max-parallel P`` the same jobs run again P at a time (``scripts/sweep.py
    --max-parallel``: each run its own Ray cluster), and the two sweeps' wall times are compared.
-4. **Flower's floor** (``--no-floor`` skips it): the same three, for a Flower app that computes
-   nothing (``scripts/flower_floor``: the run's nodes, clients per round and rounds, messages of the
-   app's shapes, the app's reply loop and imports). Each gives a bound: the app's figure if its
-   computing added no more than the plain loop's rounds to Flower's own costs (whole run: floor
-   run + plain rounds; median round: plain round + floor round, also with one message a round,
-   the latency no overlap can hide; fixed cost per job: floor job + plain rounds - plain run).
-   Where a bound misses a target, no PyTorch app sending these messages can meet it on Flower 1.41
-   and this machine.
+4. **Flower's floor** (``--no-floor`` skips it): the same, for a Flower app that computes
+   nothing (``scripts/flower_floor``: the run's nodes, clients per round and rounds, float32
+   messages of the app's shapes, the app's reply loop), run alone and as sweep jobs on the same
+   engine. Its rounds 2..R are Flower's message path alone; "floor + plain" puts the plain loop's
+   rounds in their place: what the app would cost if Flower cost it no more than the floor (whole
+   run: floor run - its rounds 2..R + plain rounds; fixed cost per job: floor job - its rounds 2..R
+   + plain rounds - plain run). A round of the floor locks to the 0.1 s poll of Flower's
+   dispatch loop; a job of :data:`SINGLE_ROUNDS` rounds of one message each, started at a random
+   phase of that poll, measures the wait a computing round has, and "plain round + that" the
+   round it leaves. Where "floor + plain" misses a target, the app cannot meet it on this engine
+   by changes to its own computing.
 
 The plain loop uses the app's own pieces (the ServerApp's ``initial_model`` and
 ``CentralEvaluator``, ``ClientTrainer``, the method's server rule, ``sample_clients``), clients one after another in one process with the
@@ -50,10 +53,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 APP_DIR = Path(__file__).resolve().parents[1]
 FLOOR_DIR = APP_DIR / "scripts" / "flower_floor"  # the app's federation and messages, no compute
 DISPATCH_POLL = 0.1  # seconds between two polls of Flower 1.41's simulation dispatch loop (vce_api)
+SINGLE_ROUNDS = 30  # rounds of the floor's job of one message a round
 if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
@@ -114,7 +119,7 @@ def plain_run(overrides: str) -> dict:
     return {"rounds": rounds, "final_test_accuracy": accuracy,
             "shapes_out": [list(t.shape) for arrays in out for t in arrays.values()],
             "shapes_back": [list(t.shape) for arrays in back for t in arrays.values()],
-            "clients_per_round": sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes),
+            "clients_per_round": count,
             "num_clients": cfg.num_clients, "num_rounds": cfg.num_rounds}
 
 
@@ -165,24 +170,34 @@ def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
             "final_test_accuracy": summary["final_test_accuracy"]}
 
 
-def floor_config(plain: dict, output: Path, clients_per_round: int | None = None, phase_jitter: float = 0.0) -> dict:
-    """The floor app's run config (scripts/flower_floor): the plain run's nodes, clients per round
-    (or ``clients_per_round``), rounds and message shapes; its rounds' seconds go to ``output``."""
-    return {"num-rounds": plain["num_rounds"], "num-nodes": plain["num_clients"],
+def floor_config(plain: dict, output: Path, clients_per_round: int | None = None, phase_jitter: float = 0.0,
+                 num_rounds: int | None = None) -> dict:
+    """The floor app's run config (scripts/flower_floor): the plain run's nodes, clients per round,
+    rounds and message shapes unless given; its rounds' seconds go to ``output``."""
+    return {"num-rounds": num_rounds or plain["num_rounds"], "num-nodes": plain["num_clients"],
             "clients-per-round": clients_per_round or plain["clients_per_round"], "seed": 0,
             "phase-jitter": float(phase_jitter),
             "shapes-out": json.dumps(plain["shapes_out"]), "shapes-back": json.dumps(plain["shapes_back"]),
             "output": str(output)}
 
 
+def floor_record(result, output: Path) -> dict:
+    """A floor run's wall time and rounds' seconds; RuntimeError if it did not complete or a
+    message of it had no reply."""
+    completed(result, "a floor run")
+    record = json.loads(output.read_text())
+    if not record["answered"]:
+        raise RuntimeError(f"a floor run had messages without a reply:\n{result.tail()}")
+    return {**record, "wall": result.seconds}
+
+
 def floor_alone(plain: dict, output: Path, num_cpus: int) -> dict:
-    """One launcher run of the floor app: its wall time and rounds' seconds."""
+    """One launcher run of the floor app."""
     from fedact_app.cli.launch import run_simulation
 
-    result = completed(run_simulation(FLOOR_DIR, run_config=floor_config(plain, output),
-                                      num_supernodes=plain["num_clients"], num_cpus_per_client=num_cpus,
-                                      timeout=3600, env=ENV), "the floor run")
-    return {**json.loads(output.read_text()), "wall": result.seconds}
+    return floor_record(run_simulation(FLOOR_DIR, run_config=floor_config(plain, output),
+                                       num_supernodes=plain["num_clients"], num_cpus_per_client=num_cpus,
+                                       timeout=3600, env=ENV), output)
 
 
 def app_job(overrides: str, seed: int, output: Path, num_cpus: int) -> Callable:
@@ -200,15 +215,13 @@ def app_job(overrides: str, seed: int, output: Path, num_cpus: int) -> Callable:
     return run
 
 
-def floor_job(plain: dict, output: Path, num_cpus: int, clients_per_round: int | None = None,
-              phase_jitter: float = 0.0) -> Callable:
-    """A sweep job of the floor app: a function of the engine returning its record."""
+def floor_job(plain: dict, output: Path, num_cpus: int, **config: Any) -> Callable:
+    """A sweep job of the floor app (``config``: :func:`floor_config`'s keywords): a function of
+    the engine returning its record."""
     def run(engine) -> dict:
-        config = floor_config(plain, output, clients_per_round, phase_jitter)
-        result = completed(engine.run(FLOOR_DIR, run_config=config,
-                                      num_supernodes=plain["num_clients"], num_cpus_per_client=num_cpus,
-                                      timeout=3600), "a floor job")
-        return {**json.loads(output.read_text()), "wall": result.seconds}
+        return floor_record(engine.run(FLOOR_DIR, run_config=floor_config(plain, output, **config),
+                                       num_supernodes=plain["num_clients"], num_cpus_per_client=num_cpus,
+                                       timeout=3600), output)
 
     return run
 
@@ -315,13 +328,14 @@ def floor_report(plain: list[dict], floor: dict) -> list[str]:
         return f"{name:44} {seconds:>22}" + ("" if ratio is None else f" {ratio:>7.2f}x")
 
     walls = [f["wall"] for f in floor["alone"]]
-    reach = med([f["wall"] - sum(f["rounds"][1:]) for f in floor["alone"]]) + plain_rounds
+    floor_with_plain = med([f["wall"] - sum(f["rounds"][1:]) for f in floor["alone"]]) + plain_rounds
     floor_round = med([med(f["rounds"][1:] or f["rounds"]) for f in floor["alone"]])
     lines = ["", "Flower's floor: scripts/flower_floor, the same nodes, clients a round, rounds and message",
              "sizes, nothing computed; 'floor + plain': its rounds 2..R replaced by the plain loop's rounds",
              row("F1. floor run alone (launcher, start to exit)", spread(walls), med(walls) / plain_wall),
-             row("   floor + plain rounds", f"{reach:.1f}", reach / plain_wall),
-             row(f"F2. floor median round 2..R, {plain[0]['clients_per_round']} messages", f"{floor_round:.3f}")]
+             row("   floor + plain rounds", f"{floor_with_plain:.1f}", floor_with_plain / plain_wall),
+             row(f"F2. floor median round, {plain[0]['clients_per_round']} messages, locked",
+                 f"{floor_round:.3f}")]
     if floor.get("single"):
         latency = med(floor["single"]["rounds"][1:] or floor["single"]["rounds"])
         lines += [row("   1 message a round at a random phase", f"{latency:.3f}"),
@@ -381,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             if parallel == 1 and args.floor:  # the floor's jobs on the same engine, after the app's
                 runs += [floor_job(plain[0], base / f"floor-job-{i}.json", args.num_cpus) for i in range(args.jobs)]
                 runs.append(floor_job(plain[0], base / "floor-job-single.json", args.num_cpus, clients_per_round=1,
-                                      phase_jitter=DISPATCH_POLL))
+                                      phase_jitter=DISPATCH_POLL, num_rounds=SINGLE_ROUNDS))
             found = sweep(runs, parallel)
             jobs = jobs or found[:args.jobs]
             sweeps[parallel] = (max(j["end"] for j in found[:args.jobs]), [j["wall"] for j in found[:args.jobs]])

@@ -36,7 +36,7 @@ def test_bench_round_quick_prints_the_split_and_the_ratio():
 
 
 @pytest.mark.e2e
-def test_bench_run_quick_prints_the_three_ratios_and_one_accuracy():
+def test_bench_run_quick_prints_the_ratios_the_floor_and_one_accuracy():
     out = run_script("bench_run.py", "--quick", timeout=600)
     for row in ("1. app run alone", "2. app rounds 1..R, summed", "3. sweep, wall per job after the first"):
         assert re.search(rf"^{re.escape(row)}.* \d+\.\d\dx$", out, re.M), (row, out)
@@ -97,7 +97,7 @@ def test_bench_run_floor_rows_put_the_plain_loops_rounds_in_place_of_the_floors(
     out = "\n".join(bench_run.floor_report(plain, floor))
     for row, seconds, ratio in [("F1. floor run alone (launcher, start to exit)", "12.0", "1.20"),
                                 ("   floor + plain rounds", "15.1", "1.51"),  # 12 - 0.4 + 3.5
-                                ("F2. floor median round 2..R, 5 messages", "0.200", None),
+                                ("F2. floor median round, 5 messages, locked", "0.200", None),
                                 ("   1 message a round at a random phase", "0.100", None),
                                 ("   plain round + that", "1.100", "1.10"),
                                 ("F3. floor sweep, wall per job after the first", "7.0", "0.70"),

@@ -159,7 +159,7 @@ def check_local_files(cfg: Any) -> None:
 
         resolve_resume(cfg.resume)
     if cfg.task == "vision" and cfg.dataset.path is not None:
-        from fedact_app.tasks.vision.splits import check_local_path  # datasets: ~0.6 s, only when there is a path
+        from fedact_app.tasks.vision.splits import check_local_path  # imports torch: only with a path
 
         check_local_path(cfg.dataset)
 

@@ -4,14 +4,17 @@ no compute. ``scripts/bench_run.py`` runs it next to the app to show what Flower
 The ServerApp does what the FedACT ServerApp does around its compute: it waits for its
 ``num-nodes`` SuperNodes, asks each once who it is (a QUERY message, as the strategy identifies
 its clients), then for ``num-rounds`` rounds sends ``clients-per-round`` nodes a training message
-carrying float32 arrays of ``shapes-out`` (the global model and the method's broadcast arrays) and
-collects their replies with the app's own reply loop (``fedact_app.strategy.exchange``). A
-ClientApp answers at once with arrays of ``shapes-back`` (the model delta and the method's reply
-arrays). No model, data, training, aggregation or evaluation: what is left is Flower's processes,
-Ray, the message path, the serialisation of messages of the app's size and the imports every
-PyTorch app makes (torch, flwr, and this module's one of ``fedact_app``). The ServerApp writes
-each round's seconds to ``output`` and, when every message had its reply, tells a local engine it
-has ended (``fedact_app.serverapp_done``), as the app does.
+carrying float32 arrays of ``shapes-out`` (the global model and the method's broadcast arrays) in
+one record and collects their replies with the app's own reply loop
+(``fedact_app.strategy.exchange``). A ClientApp answers at once with float32 arrays of
+``shapes-back`` (the model delta and the method's reply arrays). No model, data, training,
+aggregation, evaluation or EVALUATE messages: what is left is Flower's processes, Ray, the message
+path, the serialisation of messages of the app's size, and the imports of flwr, torch and the
+parts of ``fedact_app`` the reply loop and the arrays need (not the task's: timm, Hydra, data).
+The ServerApp writes each round's seconds to ``output`` and, when every message had its reply,
+tells a local engine it has ended (``fedact_app.serverapp_done``), as the app does. It runs where
+``fedact_app`` is installed (``pip install -e .``): the app's package comes from there, not from
+this folder's FAB.
 
 Flower's simulation hands a pushed message to the ClientApps when its dispatch loop next polls
 (every 0.1 s, ``vce_api.add_messages_to_queue``). Rounds that compute nothing lock to that loop
@@ -39,7 +42,7 @@ from fedact_app.wire import array_record
 
 server = ServerApp()
 client = ClientApp()
-TIMEOUT = 600.0  # seconds a round waits for its replies
+TIMEOUT = 600.0  # seconds the ServerApp waits for its nodes, and a round for its replies
 
 
 @functools.lru_cache(maxsize=4)
@@ -52,7 +55,10 @@ def arrays(shapes_json: str):
 def main(grid: Grid, context: Context) -> None:
     config = context.run_config
     rounds, per_round, num_nodes = (int(config[key]) for key in ("num-rounds", "clients-per-round", "num-nodes"))
+    deadline = time.monotonic() + TIMEOUT
     while len(nodes := sorted(grid.get_node_ids())) < num_nodes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(nodes)} of {num_nodes} SuperNodes connected in {TIMEOUT:.0f} s")
         time.sleep(0.1)
     queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
     answered = len(exchange(grid, queries, TIMEOUT)) == len(queries)

@@ -1,6 +1,6 @@
 """Vision data, step 1: the train and test splits (a :data:`Split`: a Hugging Face
-``datasets.Dataset``, or for ``digits`` and ``synthetic`` an :class:`ArraySplit`) with two
-columns, ``image`` and ``label`` (renamed from ``dataset.image_column`` /
+``datasets.Dataset`` with two columns, ``image`` and ``label``, or for ``digits`` and
+``synthetic`` an :class:`ArraySplit` of images and labels) (renamed from ``dataset.image_column`` /
 ``dataset.label_column``), labels checked to lie in ``[0, num_classes)`` (:func:`load_splits`).
 
 Sources (``dataset.name`` / ``dataset.path`` / ``dataset.hub_path``):
@@ -30,8 +30,8 @@ Sources (``dataset.name`` / ``dataset.path`` / ``dataset.hub_path``):
 
 Images are decoded to ``dataset.channels`` (grayscale images of an RGB dataset such as
 Tiny-ImageNet are converted to RGB) and resized (bilinear) when their size differs from
-``dataset.image_size``. Non-image columns (``digits``, ``synthetic``) hold float arrays in [0, 1]
-shaped (C, H, W).
+``dataset.image_size``. ``digits`` and ``synthetic`` hold float32 arrays in [0, 1] shaped
+(N, C, H, W) (:class:`ArraySplit`); a parquet column of float arrays (C, H, W) is read as such.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class DatasetUnavailableError(HubUnavailableError):
     """A hub dataset could not be loaded (offline, or not in the cache)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (no == or hash over arrays)
 class ArraySplit:
     """A split held as arrays: float32 images (N, C, H, W) in [0, 1] and int64 labels (N,).
 
@@ -90,7 +90,7 @@ Split = Union["datasets.Dataset", ArraySplit]  # what load_splits returns (modul
 
 
 def load_splits(cfg: DatasetConfig, data_dir: str | None = None, seed: int = 42) -> tuple[Split, Split]:
-    """The train and test splits with columns ``image`` and ``label``, labels validated.
+    """The train and test splits (images and labels), labels validated.
 
     ``data_dir`` is the Hugging Face datasets cache (None: its default). ``seed`` only affects
     ``synthetic``. See the module docstring for the accepted sources and local layouts.

@@ -34,7 +34,7 @@ class ImageTensors:
         return int(self.labels.shape[0])
 
 def to_image_tensors(ds: Split, cfg: DatasetConfig) -> ImageTensors:
-    """Decode a split (columns ``image``/``label``) into normalized float32 tensors."""
+    """Decode a split (its images and labels) into normalized float32 tensors."""
     images = _decode_images(ds, cfg)
     images = _resize(images, cfg.image_size)
     mean = torch.tensor(cfg.mean, dtype=torch.float32).view(-1, 1, 1)
