@@ -93,9 +93,9 @@ def plain_run(overrides: str) -> dict:
     kept: dict[int, dict] = {}
     evaluator(0, x)
     rounds, accuracy = [], None
+    count = sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes)
     for server_round in range(1, cfg.num_rounds + 1):
         started = time.perf_counter()
-        count = sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes)
         clients = sorted(sample_clients(range(cfg.num_clients), count, seed=cfg.seed,
                                         server_round=server_round, purpose="train"))
         lr = cosine_lr(server_round, cfg.num_rounds, a.lr, a.lr_min)

@@ -1,7 +1,8 @@
-"""Vision data, step 1: the train and test splits (a :data:`Split`: a Hugging Face
-``datasets.Dataset`` with two columns, ``image`` and ``label``, or for ``digits`` and
-``synthetic`` an :class:`ArraySplit` of images and labels) (renamed from ``dataset.image_column`` /
-``dataset.label_column``), labels checked to lie in ``[0, num_classes)`` (:func:`load_splits`).
+"""Vision data, step 1: the train and test splits, labels checked to lie in ``[0, num_classes)``
+(:func:`load_splits`). A split (:data:`Split`) is a Hugging Face ``datasets.Dataset`` with two
+columns, ``image`` and ``label`` (renamed from ``dataset.image_column`` /
+``dataset.label_column``), or for ``digits`` and ``synthetic`` an :class:`ArraySplit` of images
+and labels.
 
 Sources (``dataset.name`` / ``dataset.path`` / ``dataset.hub_path``):
 
