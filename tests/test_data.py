@@ -7,6 +7,7 @@ and image folders with the hub layouts' exact column and split names.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -17,7 +18,7 @@ import torch
 from PIL import Image
 
 import datasets
-from fedact_app.tasks.vision import cache, data, partition, splits
+from fedact_app.tasks.vision import cache, data, decoded, partition, splits
 from fedact_app.tasks.vision.batches import BatchStream, _same_device, test_batches
 from fedact_app.tasks.vision.tensors import ImageTensors, to_image_tensors
 from fedact_app.train import batch_generator
@@ -236,7 +237,9 @@ def test_the_caches_are_off_with_an_empty_folder_name(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # the default folder would be under here
     partition.partition_indices(LABELS, 10, PartitionConfig(name="iid"), seed=42)
     splits._digits_arrays()
-    assert list(tmp_path.iterdir()) == []
+    train, _ = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), str(tmp_path / "hf"), 0)
+    assert isinstance(train, datasets.Dataset)  # read by load_splits, decoded by each process
+    assert not (tmp_path / ".cache" / "fedact").exists()  # (a first import of matplotlib writes .cache too)
 
 
 def test_too_many_partitions_is_an_error():
@@ -336,6 +339,128 @@ def test_image_folder_layout(tmp_path):
     assert (len(train), len(test)) == (9, 6)
     assert sorted(train.with_format("numpy")[:]["label"].tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert to_image_tensors(test, cfg).images.shape == (6, 3, 32, 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# local image files kept decoded on disk (decoded.py)
+
+
+def fmnist_like(root, seed: int = 0):
+    """A Fashion-MNIST-like parquet folder of 40x40 grayscale images (read at 28x28): 30 training
+    and 6 test images; its DatasetConfig."""
+    write_parquet(root / "train.parquet", {"image": pil_images(30, 40, mode="L", seed=seed),
+                                           "label": [i % 10 for i in range(30)]})
+    write_parquet(root / "test.parquet", {"image": pil_images(6, 40, mode="L", seed=seed + 1),
+                                          "label": [5, 4, 3, 2, 1, 0]})
+    return DatasetConfig(name="fashion_mnist", path=str(root), image_size=28, channels=1, mean=[0.286],
+                         std=[0.353], augment=False)
+
+
+LOCAL_RUN_PROCESS = """
+import sys
+import numpy as np
+from fedact_app.config import Config, DatasetConfig, PartitionConfig
+from fedact_app.tasks.vision import data
+dataset = DatasetConfig(name="fashion_mnist", path=sys.argv[2], image_size=28, channels=1, mean=[0.286],
+                        std=[0.353], augment=False)
+cfg = Config(dataset=dataset, partition=PartitionConfig(name="dirichlet", alpha=0.5), num_clients=3)
+data.train_labels(cfg)  # the ServerApp's check of the partitions
+client, test = data.load_client_train(cfg, 1, 3), data.load_test(cfg)
+np.savez(sys.argv[1], datasets_imported=np.array("datasets" in sys.modules), client_images=client.images.numpy(),
+         client_labels=client.labels.numpy(), test_images=test.images.numpy(), test_labels=test.labels.numpy())
+"""
+
+
+def run_local_process(tmp_path, name: str, cache_dir: str) -> dict[str, np.ndarray]:
+    import subprocess
+    import sys
+
+    out = tmp_path / f"{name}.npz"
+    subprocess.run([sys.executable, "-c", LOCAL_RUN_PROCESS, str(out), str(tmp_path / "fmnist")],
+                   env={**os.environ, "FEDACT_CACHE_DIR": cache_dir}, check=True)
+    with np.load(out) as got:
+        return dict(got)
+
+
+def test_local_image_files_are_decoded_once_and_read_back_without_datasets(tmp_path):
+    """The first process decodes both splits whole and keeps the pixels on disk; the next process
+    reads a client's partition and the test split from there without importing ``datasets``; the
+    tensors of both are bit-identical to those of a process that decodes its rows itself (cache
+    off), and the stored pixels are PIL's bilinear resize of the files' images."""
+    fmnist_like(tmp_path / "fmnist")
+    cache_dir = tmp_path / "cache"
+    reference = run_local_process(tmp_path, "off", "")
+    first = run_local_process(tmp_path, "first", str(cache_dir))
+    second = run_local_process(tmp_path, "second", str(cache_dir))
+    assert bool(reference["datasets_imported"]) and bool(first["datasets_imported"])
+    assert not bool(second["datasets_imported"])
+    for got in (first, second):
+        for name in ("client_images", "client_labels", "test_images", "test_labels"):
+            assert got[name].dtype == reference[name].dtype and np.array_equal(got[name], reference[name]), name
+    (entry,) = [p for p in (cache_dir / "decoded").iterdir() if p.is_dir()]
+    stored = np.load(entry / "test_images.npy")
+    expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(6, 40, mode="L", seed=1)]
+    assert stored.dtype == np.uint8 and np.array_equal(stored[:, 0], np.stack(expected))
+    assert np.load(entry / "test_labels.npy").tolist() == [5, 4, 3, 2, 1, 0]
+
+
+def test_processes_missing_the_decoded_files_at_once_decode_them_once(tmp_path):
+    """Two processes that start together on an empty cache: one decodes (importing ``datasets``)
+    while the other waits for the lock, then reads its files."""
+    import subprocess
+    import sys
+
+    cfg = fmnist_like(tmp_path / "fmnist")
+    script = ("import sys; from fedact_app.config import DatasetConfig; from fedact_app.tasks.vision import decoded; "
+              f"decoded.decoded_splits(DatasetConfig(**{dataclasses.asdict(cfg)!r}), None, 0); "
+              "print('datasets' in sys.modules)")
+    env = {**os.environ, "FEDACT_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    imported = sorted(p.communicate()[0].split()[-1] for p in procs)
+    assert [p.returncode for p in procs] == [0, 0] and imported == ["False", "True"]
+
+
+def test_decoded_files_are_made_again_when_the_data_changes_or_they_are_damaged(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = fmnist_like(tmp_path / "fmnist")
+    first = decoded.decoded_splits(cfg, None, 0)[0]
+    (entry,) = [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
+    for damage in (b"not a .npy file", None):  # garbage; an array of the wrong shape
+        if damage is None:
+            np.save(entry / "train_images.npy", np.zeros((30, 1, 8, 8), dtype=np.uint8))
+        else:
+            (entry / "train_images.npy").write_bytes(damage)
+        again = decoded.decoded_splits(cfg, None, 0)[0]
+        assert np.array_equal(again.images, first.images)
+        assert np.array_equal(np.load(entry / "train_images.npy"), first.images)  # replaced
+    fmnist_like(tmp_path / "fmnist", seed=7)  # new files in place of the old
+    os.utime(tmp_path / "fmnist" / "train.parquet", ns=(1, 1))  # whatever the clock's resolution
+    changed = decoded.decoded_splits(cfg, None, 0)[0]
+    expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(30, 40, mode="L", seed=7)]
+    assert np.array_equal(changed.images[:, 0], np.stack(expected))
+    assert len([p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]) == 2
+
+
+def test_labels_read_from_decoded_files_are_checked_against_num_classes(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = fmnist_like(tmp_path / "fmnist")
+    decoded.decoded_splits(cfg, None, 0)
+    with pytest.raises(ValueError, match=r"label 8, outside \[0, 8\)"):
+        decoded.decoded_splits(dataclasses.replace(cfg, num_classes=8), None, 0)
+
+
+def test_an_image_column_of_arrays_is_not_kept_decoded(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4), ("test", 2)):
+        write_parquet(tmp_path / "arrays" / f"{split}.parquet",
+                      {"image": rng.random((n, 1, 4, 4), dtype=np.float32).tolist(), "label": list(range(n))})
+    cfg = DatasetConfig(name="fashion_mnist", path=str(tmp_path / "arrays"), image_size=4, channels=1,
+                        mean=[0.0], std=[1.0], augment=False)
+    train, test = decoded.decoded_splits(cfg, None, 0)
+    assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (4, 2)
+    assert not [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
 
 
 def test_hub_dataset_offline_fails_fast_with_a_helpful_message(tmp_path):

@@ -1,17 +1,22 @@
 """Vision data kept on disk between processes (``$FEDACT_CACHE_DIR``, default
 ``~/.cache/fedact``; an empty value turns it off): what a run derives deterministically and every
-new process would otherwise compute again, the digits split (:mod:`.splits`) and the partitions
-(:mod:`.partition`). Each file is a ``.npz`` whose name hashes what it depends on; a file that
-cannot be read is computed again, and one that cannot be written is skipped with a warning."""
+new process would otherwise compute again, the digits split (:mod:`.splits`), the partitions
+(:mod:`.partition`) and the decoded images of local data (:mod:`.decoded`). Each entry is a
+``.npz`` file, or a folder of ``.npy`` files that are mapped into memory, named by a hash of what it
+depends on; an entry that cannot be read is computed again, and one that cannot be written is
+skipped with a warning."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 import threading
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -51,5 +56,55 @@ def write_cache_file(path: Path | None, what: str, **arrays: np.ndarray) -> None
         os.replace(partial, path)
     except OSError as exc:
         partial.unlink(missing_ok=True)
-        warnings.warn(f"{what} cache not written ({exc}); set {CACHE_ENV} to a writable folder, or to an "
-                      "empty value to turn the cache off", RuntimeWarning, stacklevel=3)
+        _warn_not_written(what, exc)
+
+
+def read_cache_folder(path: Path | None, names: Sequence[str]) -> dict[str, np.ndarray] | None:
+    """The arrays ``<path>/<name>.npy``, mapped into memory read-only (a process reads only the
+    rows it indexes); None when the folder is missing or a file cannot be read."""
+    if path is None or not path.is_dir():
+        return None
+    try:
+        return {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in names}
+    except (OSError, ValueError):
+        return None
+
+
+def write_cache_folder(path: Path | None, what: str, **arrays: np.ndarray) -> None:
+    """Store each array as ``<path>/<name>.npy``: written into a new folder that then takes the
+    place of ``path`` (replacing a damaged one); skipped with a warning naming ``what`` when it
+    cannot be written. Call it holding :func:`exclusive` for ``path``."""
+    if path is None:
+        return
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    try:
+        partial.mkdir(parents=True)
+        for name, array in arrays.items():
+            np.save(partial / f"{name}.npy", array)
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(partial, path)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        _warn_not_written(what, exc)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold ``<path>.lock`` (``flock``; released when the holder exits, however it exits) while
+    the body runs, so that processes which all miss the same entry compute it once: the others
+    wait, then read it. Where the lock file cannot be made the body runs without it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(f"{path.name}.lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _warn_not_written(what: str, exc: OSError) -> None:
+    warnings.warn(f"{what} cache not written ({exc}); set {CACHE_ENV} to a writable folder, or to an "
+                  "empty value to turn the cache off", RuntimeWarning, stacklevel=4)

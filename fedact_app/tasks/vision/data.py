@@ -4,7 +4,9 @@ process (in simulation one process serves many clients).
 Everything a client trains on passes through four steps, one module each:
 
 1. :mod:`.splits` - :func:`~.splits.load_splits`: the train and test splits (digits, synthetic, the
-   hub or a local ``dataset.path``) with columns ``image`` and ``label``, labels checked.
+   hub or a local ``dataset.path``) with columns ``image`` and ``label``, labels checked; local
+   image files are read from their decoded copy on disk after the first process
+   (:mod:`.decoded`).
 2. :mod:`.partition` - :func:`~.partition.holdout_rows` (only when ``dataset.holdout_fraction`` > 0)
    holds a seed-fixed slice of the training split out as the server's validation set;
    :func:`~.partition.partition_indices` says which training rows each client holds.
@@ -25,7 +27,8 @@ import numpy as np
 from fedact_app.config import Config, DatasetConfig, PartitionConfig
 from fedact_app.tasks.vision import partition
 from fedact_app.tasks.vision.partition import holdout_rows, partition_indices
-from fedact_app.tasks.vision.splits import Split, labels_of, load_splits, resolve_path
+from fedact_app.tasks.vision.decoded import decoded_splits
+from fedact_app.tasks.vision.splits import Split, labels_of, resolve_path
 from fedact_app.tasks.vision.tensors import ImageTensors, to_image_tensors
 
 
@@ -77,7 +80,7 @@ def _splits_cached(
     former's labels (read-only) and the validation rows (None when ``holdout_fraction`` is 0), per
     process."""
     cfg = _dataset_config(dataset_key)
-    train, test = load_splits(cfg, data_dir, seed)
+    train, test = decoded_splits(cfg, data_dir, seed)
     validation = None
     if cfg.holdout_fraction > 0:
         kept, held = holdout_rows(len(train), cfg.holdout_fraction, seed)

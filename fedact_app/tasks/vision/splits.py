@@ -53,6 +53,7 @@ from fedact_app.tasks.hub import HubUnavailableError, unavailable_message
 if TYPE_CHECKING:
     import datasets
 
+ARRAY_DATASETS = ("digits", "synthetic")  # made in memory as ArraySplits; dataset.path is not read
 DIGITS_SPLIT_SEED = 0  # fixed: the digits train/test split never depends on the run's seed
 DIGITS_TEST_FRACTION = 0.2
 SYNTHETIC_NOISE_STD = 0.3
@@ -66,10 +67,12 @@ class DatasetUnavailableError(HubUnavailableError):
 
 @dataclass(frozen=True, eq=False)  # (no == or hash over arrays)
 class ArraySplit:
-    """A split held as arrays: float32 images (N, C, H, W) in [0, 1] and int64 labels (N,).
+    """A split held as arrays: images (N, C, H, W), float32 in [0, 1] or uint8 pixels (the value
+    divided by 255), and int64 labels (N,).
 
-    ``digits`` and ``synthetic`` are made in memory as these, with the two things the pipeline
-    asks of a ``datasets.Dataset`` (``len`` and ``select``), so that a run on them never imports
+    ``digits`` and ``synthetic`` are made in memory as these, and local image data is read as
+    these from its decoded copy on disk (:mod:`.decoded`), with the two things the pipeline asks of
+    a ``datasets.Dataset`` (``len`` and ``select``), so that a process reading them never imports
     Hugging Face ``datasets`` (pandas, pyarrow, the hub client: about 1 CPU-second in every
     process that reads data, the ServerApp's, each Ray actor's, each deployed ClientApp's).
     Treat the arrays as read-only: cached splits share them.
@@ -106,7 +109,7 @@ def load_splits(cfg: DatasetConfig, data_dir: str | None = None, seed: int = 42)
         train = _normalize_columns(train, columns, cfg, cfg.train_split)
         test = _normalize_columns(test, columns, cfg, cfg.test_split)
     for split_name, split in ((cfg.train_split, train), (cfg.test_split, test)):
-        _check_labels(split, cfg, split_name, columns[1])
+        check_labels(split, cfg, split_name, columns[1])
     return train, test
 
 
@@ -192,7 +195,7 @@ def _load_external(
         loaded = _load_hub(cfg, data_dir)
         source = f"hub dataset '{cfg.hub_path}'"
     else:
-        builder, data_files = _local_data_files(resolve_path(cfg.path), splits)
+        builder, data_files = local_data_files(resolve_path(cfg.path), splits)
         loaded = datasets.load_dataset(builder, data_files=data_files, cache_dir=data_dir)
         source = f"dataset.path={cfg.path!r}"
         if builder == "imagefolder":
@@ -223,7 +226,7 @@ def _load_hub(cfg: DatasetConfig, data_dir: str | None) -> datasets.DatasetDict:
         raise DatasetUnavailableError(unavailable_message("dataset", cfg.hub_path, exc, hint, data_dir)) from exc
 
 
-def _local_data_files(path: str, splits: Sequence[str]) -> tuple[str, dict[str, list[str]]]:
+def local_data_files(path: str, splits: Sequence[str]) -> tuple[str, dict[str, list[str]]]:
     """The ``load_dataset`` builder ("parquet" or "imagefolder") and data files per split."""
     if "{split}" in path:
         return "parquet", {s: _existing_files(path.format(split=s), path) for s in splits}
@@ -248,7 +251,7 @@ def check_local_path(cfg: DatasetConfig) -> None:
     this path on the same machine. ``compose()`` does not, since on a SuperNode the path names
     that node's files."""
     try:
-        builder, data_files = _local_data_files(resolve_path(cfg.path), (cfg.train_split, cfg.test_split))
+        builder, data_files = local_data_files(resolve_path(cfg.path), (cfg.train_split, cfg.test_split))
         for split, files in data_files.items():
             if builder == "imagefolder":  # files: one recursive pattern, <path>/<split>/**
                 if not any(os.path.isfile(f) for f in glob.iglob(files[0], recursive=True)):
@@ -326,7 +329,7 @@ def _normalize_columns(
     return ds.rename_columns(renames) if renames else ds
 
 
-def _check_labels(ds: Split, cfg: DatasetConfig, split: str, column: str) -> None:
+def check_labels(ds: Split, cfg: DatasetConfig, split: str, column: str) -> None:
     """Labels must be integers in [0, num_classes): clear error naming the column and value."""
     labels = labels_of(ds)
     where = f"Label column '{column}' of the {split!r} split of dataset {cfg.name!r}"

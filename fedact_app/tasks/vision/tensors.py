@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -14,6 +14,9 @@ from torch import Tensor
 
 from fedact_app.config import DatasetConfig
 from fedact_app.tasks.vision.splits import IMAGE, ArraySplit, Split, labels_of
+
+if TYPE_CHECKING:
+    import datasets
 
 
 @dataclass
@@ -44,9 +47,19 @@ def to_image_tensors(ds: Split, cfg: DatasetConfig) -> ImageTensors:
 
 
 def _decode_images(ds: Split, cfg: DatasetConfig) -> Tensor:
-    """(N, C, H, W) float32 in [0, 1], from PIL images or from float (C, H, W) arrays."""
+    """(N, C, H, W) float32 in [0, 1], from PIL images or from (C, H, W) arrays."""
     if isinstance(ds, ArraySplit):
         return _array_images(ds.images, cfg)
+    pixels = image_pixels(ds, cfg)
+    if pixels is None:
+        return _array_images(ds.with_format("numpy", columns=[IMAGE])[:][IMAGE], cfg)
+    return _array_images(pixels, cfg)
+
+
+def image_pixels(ds: "datasets.Dataset", cfg: DatasetConfig) -> np.ndarray | None:
+    """A split's image column decoded to uint8 pixels (N, C, S, S) of ``cfg.channels`` at
+    ``cfg.image_size`` (mode converted, resized with PIL's bilinear filter where the size differs);
+    None when the column holds arrays rather than images."""
     import datasets
 
     feature = ds.features[IMAGE]
@@ -54,14 +67,21 @@ def _decode_images(ds: Split, cfg: DatasetConfig) -> Tensor:
         ds = ds.cast_column(IMAGE, datasets.Image())
         feature = ds.features[IMAGE]
     if not isinstance(feature, datasets.Image):
-        return _array_images(ds.with_format("numpy", columns=[IMAGE])[:][IMAGE], cfg)
-    chunks = [_pil_batch(batch[IMAGE], cfg) for batch in ds.select_columns([IMAGE]).iter(batch_size=1024)]
-    return torch.cat(chunks) if chunks else torch.empty(0, cfg.channels, cfg.image_size, cfg.image_size)
+        return None
+    chunks = [_pil_pixels(batch[IMAGE], cfg) for batch in ds.select_columns([IMAGE]).iter(batch_size=1024)]
+    if not chunks:
+        return np.empty((0, cfg.channels, cfg.image_size, cfg.image_size), dtype=np.uint8)
+    return np.concatenate(chunks)
 
 
 def _array_images(arrays: Any, cfg: DatasetConfig) -> Tensor:
-    """Float image arrays (N, C, H, W) or (N, H, W), checked against ``cfg.channels``."""
-    images = torch.as_tensor(np.asarray(arrays, dtype=np.float32))
+    """Image arrays (N, C, H, W) or (N, H, W), checked against ``cfg.channels``: floats in [0, 1]
+    as float32, or uint8 pixels divided by 255."""
+    arrays = np.asarray(arrays)
+    if arrays.dtype == np.uint8:
+        images = torch.from_numpy(np.array(arrays)).float().div_(255.0)  # np.array: a writable copy
+    else:
+        images = torch.as_tensor(arrays.astype(np.float32, copy=False))
     if images.dim() == 3:
         images = images.unsqueeze(1)
     if images.dim() != 4 or images.shape[1] != cfg.channels:
@@ -70,8 +90,8 @@ def _array_images(arrays: Any, cfg: DatasetConfig) -> Tensor:
     return images
 
 
-def _pil_batch(images: list[Any], cfg: DatasetConfig) -> Tensor:
-    """PIL images -> (B, C, S, S) float32 in [0, 1]: mode converted, resized to S if needed."""
+def _pil_pixels(images: list[Any], cfg: DatasetConfig) -> np.ndarray:
+    """PIL images -> (B, C, S, S) uint8: mode converted, resized to S if needed."""
     mode = "RGB" if cfg.channels == 3 else "L"
     size = (cfg.image_size, cfg.image_size)
     arrays = []
@@ -80,8 +100,7 @@ def _pil_batch(images: list[Any], cfg: DatasetConfig) -> Tensor:
         if image.size != size:
             image = image.resize(size, Image.BILINEAR)
         arrays.append(np.asarray(image, dtype=np.uint8).reshape(cfg.image_size, cfg.image_size, cfg.channels))
-    batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
-    return batch.float().div_(255.0)
+    return np.ascontiguousarray(np.stack(arrays).transpose(0, 3, 1, 2))
 
 
 def _resize(images: Tensor, size: int) -> Tensor:
