@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import time
 
 import numpy as np
@@ -54,6 +55,30 @@ def pil_images(n: int, size: int, mode: str = "RGB", seed: int = 0) -> list[Imag
 def write_parquet(path, columns: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     datasets.Dataset.from_dict(columns).to_parquet(str(path))
+
+
+def fmnist_like(root, seed: int = 0):
+    """A Fashion-MNIST-like parquet folder of 40x40 grayscale images (read at 28x28): 30 training
+    and 6 test images; its DatasetConfig."""
+    write_parquet(root / "train.parquet", {"image": pil_images(30, 40, mode="L", seed=seed),
+                                           "label": [i % 10 for i in range(30)]})
+    write_parquet(root / "test.parquet", {"image": pil_images(6, 40, mode="L", seed=seed + 1),
+                                          "label": [5, 4, 3, 2, 1, 0]})
+    return DatasetConfig(name="fashion_mnist", path=str(root), image_size=28, channels=1, mean=[0.286],
+                         std=[0.353], augment=False)
+
+
+def image_folder(root, n_train: int = 4, gray_file: bool = False):
+    """An image folder of 3 classes of 32x32 RGB PNGs (``n_train`` training and 2 test images
+    each), with one grayscale training image if ``gray_file``; its DatasetConfig."""
+    for split, n in (("train", n_train), ("test", 2)):
+        for c, class_name in enumerate(("airplane", "cat", "truck")):
+            (root / split / class_name).mkdir(parents=True, exist_ok=True)
+            for i, image in enumerate(pil_images(n, 32, seed=10 * c + (split == "test"))):
+                image.save(root / split / class_name / f"{i}.png")
+    if gray_file:
+        pil_images(1, 32, mode="L", seed=99)[0].save(root / "train" / "cat" / "gray.png")
+    return DatasetConfig(name="cifar10", path=str(root), **RGB_STATS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,6 +255,8 @@ def test_an_array_split_selects_rows_in_the_order_given():
     picked = split.select([3, 0, 3])
     assert len(picked) == 3 and picked.labels.tolist() == [3, 0, 3]
     assert np.array_equal(picked.images[1], split.images[0]) and splits.labels_of(picked) is picked.labels
+    again = picked.select([2, 1])  # a selection of a selection: rows 3 and 0 of the arrays
+    assert again.labels.tolist() == [3, 0] and np.array_equal(again.images, split.images[[3, 0]])
 
 
 def test_the_caches_are_off_with_an_empty_folder_name(tmp_path, monkeypatch):
@@ -328,13 +355,7 @@ def test_images_of_another_size_are_resized(tmp_path):
 
 
 def test_image_folder_layout(tmp_path):
-    root = tmp_path / "folder"
-    for split, n in (("train", 3), ("test", 2)):
-        for c, class_name in enumerate(("airplane", "cat", "truck")):
-            (root / split / class_name).mkdir(parents=True)
-            for i, image in enumerate(pil_images(n, 32, seed=c)):
-                image.save(root / split / class_name / f"{i}.png")
-    cfg = DatasetConfig(name="cifar10", path=str(root), image_column="img", **RGB_STATS)
+    cfg = image_folder(tmp_path / "folder", n_train=3)
     train, test = splits.load_splits(cfg, data_dir=str(tmp_path / "cache"))
     assert (len(train), len(test)) == (9, 6)
     assert sorted(train.with_format("numpy")[:]["label"].tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -343,17 +364,6 @@ def test_image_folder_layout(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # local image files kept decoded on disk (decoded.py)
-
-
-def fmnist_like(root, seed: int = 0):
-    """A Fashion-MNIST-like parquet folder of 40x40 grayscale images (read at 28x28): 30 training
-    and 6 test images; its DatasetConfig."""
-    write_parquet(root / "train.parquet", {"image": pil_images(30, 40, mode="L", seed=seed),
-                                           "label": [i % 10 for i in range(30)]})
-    write_parquet(root / "test.parquet", {"image": pil_images(6, 40, mode="L", seed=seed + 1),
-                                          "label": [5, 4, 3, 2, 1, 0]})
-    return DatasetConfig(name="fashion_mnist", path=str(root), image_size=28, channels=1, mean=[0.286],
-                         std=[0.353], augment=False)
 
 
 LOCAL_RUN_PROCESS = """
@@ -417,14 +427,70 @@ def test_processes_missing_the_decoded_files_at_once_decode_them_once(tmp_path):
     env = {**os.environ, "FEDACT_CACHE_DIR": str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
-    imported = sorted(p.communicate()[0].split()[-1] for p in procs)
-    assert [p.returncode for p in procs] == [0, 0] and imported == ["False", "True"]
+    outputs = [p.communicate()[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sorted(out.split()[-1] for out in outputs) == ["False", "True"]
+
+
+def all_tensors(cfg: Config) -> list[ImageTensors]:
+    """Every client's partition, the test split and the validation rows, read afresh."""
+    data.clear_caches()
+    got = [data.load_client_train(cfg, p, cfg.num_clients) for p in range(cfg.num_clients)] + [data.load_test(cfg)]
+    return got + ([data.load_validation(cfg)] if cfg.dataset.holdout_fraction > 0 else [])
+
+
+@pytest.mark.parametrize("layout", ["parquet, grayscale resized, holdout", "image folder, grayscale file to RGB"])
+def test_decoded_files_give_the_tensors_of_a_process_decoding_its_rows(layout, tmp_path, monkeypatch):
+    """Every client's rows, the test split and the validation rows are bit-identical whether a
+    process decodes them itself (cache off), decodes both splits whole into the cache, or reads
+    them from it."""
+    if layout.startswith("parquet"):
+        dataset = dataclasses.replace(fmnist_like(tmp_path / "data"), holdout_fraction=0.2)
+    else:
+        dataset = image_folder(tmp_path / "data", gray_file=True)
+    cfg = Config(dataset=dataset, partition=PartitionConfig(name="dirichlet", alpha=0.5), num_clients=3)
+    monkeypatch.setenv(cache.CACHE_ENV, "")
+    reference = all_tensors(cfg)
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    decoding, reading = all_tensors(cfg), all_tensors(cfg)
+    assert [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
+    for got in (decoding, reading):
+        assert len(got) == len(reference)
+        for mine, theirs in zip(got, reference):
+            assert torch.equal(mine.images, theirs.images) and torch.equal(mine.labels, theirs.labels)
+
+
+def test_an_image_added_to_a_folder_is_decoded_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = image_folder(tmp_path / "folder")
+    assert len(decoded.decoded_splits(cfg, None, 0)[0]) == 12
+    pil_images(1, 32, seed=5)[0].save(tmp_path / "folder" / "train" / "truck" / "new.png")
+    train, _ = decoded.decoded_splits(cfg, None, 0)
+    assert len(train) == 13 and np.bincount(splits.labels_of(train)).tolist() == [4, 4, 5]
+
+
+def test_a_cache_folder_that_cannot_be_made_reads_the_files_as_they_are(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "a-file" / "cache"))
+    with pytest.warns(RuntimeWarning, match="Decoded image cache not written"):
+        train, test = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), None, 0)
+    assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (30, 6)
+
+
+def test_a_missing_column_is_the_same_error_every_time(tmp_path, monkeypatch):
+    """Nothing is stored for a config that cannot be read, and the lock is released."""
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = dataclasses.replace(fmnist_like(tmp_path / "fmnist"), image_column="img")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"dataset.image_column='img' is not a column"):
+            decoded.decoded_splits(cfg, None, 0)
+    assert not [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
 
 
 def test_decoded_files_are_made_again_when_the_data_changes_or_they_are_damaged(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     cfg = fmnist_like(tmp_path / "fmnist")
-    first = decoded.decoded_splits(cfg, None, 0)[0]
+    first = np.array(decoded.decoded_splits(cfg, None, 0)[0].images)  # (a copy: the file is damaged below)
     (entry,) = [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
     for damage in (b"not a .npy file", None):  # garbage; an array of the wrong shape
         if damage is None:
@@ -432,8 +498,8 @@ def test_decoded_files_are_made_again_when_the_data_changes_or_they_are_damaged(
         else:
             (entry / "train_images.npy").write_bytes(damage)
         again = decoded.decoded_splits(cfg, None, 0)[0]
-        assert np.array_equal(again.images, first.images)
-        assert np.array_equal(np.load(entry / "train_images.npy"), first.images)  # replaced
+        assert np.array_equal(again.images, first)
+        assert np.array_equal(np.load(entry / "train_images.npy"), first)  # replaced
     fmnist_like(tmp_path / "fmnist", seed=7)  # new files in place of the old
     os.utime(tmp_path / "fmnist" / "train.parquet", ns=(1, 1))  # whatever the clock's resolution
     changed = decoded.decoded_splits(cfg, None, 0)[0]
@@ -458,8 +524,20 @@ def test_an_image_column_of_arrays_is_not_kept_decoded(tmp_path, monkeypatch):
                       {"image": rng.random((n, 1, 4, 4), dtype=np.float32).tolist(), "label": list(range(n))})
     cfg = DatasetConfig(name="fashion_mnist", path=str(tmp_path / "arrays"), image_size=4, channels=1,
                         mean=[0.0], std=[1.0], augment=False)
-    train, test = decoded.decoded_splits(cfg, None, 0)
-    assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (4, 2)
+    for _ in range(2):  # the second process finds the note the first left, and takes no lock
+        train, test = decoded.decoded_splits(cfg, None, 0)
+        assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (4, 2)
+    assert not [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
+    assert len(list((tmp_path / "cache" / "decoded").glob("*.arrays"))) == 1
+
+
+def test_decoded_files_are_not_written_where_the_disk_lacks_the_room(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=20_000))
+    with pytest.warns(RuntimeWarning, match=r"needs 0 MiB and .* has 0 MiB free"):
+        train, _ = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), None, 0)  # 36 x (784 + 8) bytes
+    assert isinstance(train, datasets.Dataset)
     assert not [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
 
 

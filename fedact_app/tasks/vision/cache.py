@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import os
 import shutil
 import threading
@@ -25,8 +26,9 @@ CACHE_ENV = "FEDACT_CACHE_DIR"
 
 def cache_folder(kind: str) -> Path | None:
     """``$FEDACT_CACHE_DIR/<kind>`` (default ``~/.cache/fedact/<kind>``): where data that a run
-    derives deterministically (a digits split, a partition) is kept between processes; None when
-    the variable is set to an empty value (the cache is off)."""
+    derives deterministically (a digits split, a partition, decoded images) is kept between
+    processes; None when the variable is set to an empty value (the cache is off). Every entry can
+    be deleted at any time: it is computed again."""
     root = os.environ.get(CACHE_ENV, os.path.join("~", ".cache", "fedact"))
     return Path(root).expanduser() / kind if root else None
 
@@ -76,6 +78,8 @@ def write_cache_folder(path: Path | None, what: str, **arrays: np.ndarray) -> No
     cannot be written. Call it holding :func:`exclusive` for ``path``."""
     if path is None:
         return
+    for left in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):  # from writers that were killed
+        shutil.rmtree(left, ignore_errors=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
         partial.mkdir(parents=True)
@@ -90,19 +94,27 @@ def write_cache_folder(path: Path | None, what: str, **arrays: np.ndarray) -> No
 
 
 @contextlib.contextmanager
-def exclusive(path: Path) -> Iterator[None]:
+def exclusive(path: Path, what: str) -> Iterator[bool]:
     """Hold ``<path>.lock`` (``flock``; released when the holder exits, however it exits) while
     the body runs, so that processes which all miss the same entry compute it once: the others
-    wait, then read it. Where the lock file cannot be made the body runs without it."""
+    wait, then read it. Yields whether the lock is held; where the lock file cannot be made or the
+    file system refuses locks it warns naming ``what`` and yields False (the caller should then
+    not compute the entry)."""
+    lock, error = None, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_name(f"{path.name}.lock"), "a")
-    except OSError:
-        yield
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as exc:  # a folder that is not writable; ENOLCK or EOPNOTSUPP from the file system
+        error = exc
+    if error is not None:  # (the body runs outside the except: its errors are not chained to this one)
+        if lock is not None:
+            lock.close()
+        _warn_not_written(what, error)
+        yield False
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        yield True
 
 
 def _warn_not_written(what: str, exc: OSError) -> None:

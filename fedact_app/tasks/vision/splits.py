@@ -53,7 +53,6 @@ from fedact_app.tasks.hub import HubUnavailableError, unavailable_message
 if TYPE_CHECKING:
     import datasets
 
-ARRAY_DATASETS = ("digits", "synthetic")  # made in memory as ArraySplits; dataset.path is not read
 DIGITS_SPLIT_SEED = 0  # fixed: the digits train/test split never depends on the run's seed
 DIGITS_TEST_FRACTION = 0.2
 SYNTHETIC_NOISE_STD = 0.3
@@ -67,27 +66,36 @@ class DatasetUnavailableError(HubUnavailableError):
 
 @dataclass(frozen=True, eq=False)  # (no == or hash over arrays)
 class ArraySplit:
-    """A split held as arrays: images (N, C, H, W), float32 in [0, 1] or uint8 pixels (the value
-    divided by 255), and int64 labels (N,).
+    """A split held as arrays: the rows ``rows`` (None: all) of ``all_images`` (N, C, H, W), float32
+    in [0, 1] or uint8 pixels (the value divided by 255), and the split's int64 labels, one per
+    row.
 
-    ``digits`` and ``synthetic`` are made in memory as these, and local image data is read as
-    these from its decoded copy on disk (:mod:`.decoded`), with the two things the pipeline asks of
-    a ``datasets.Dataset`` (``len`` and ``select``), so that a process reading them never imports
-    Hugging Face ``datasets`` (pandas, pyarrow, the hub client: about 1 CPU-second in every
-    process that reads data, the ServerApp's, each Ray actor's, each deployed ClientApp's).
+    ``digits`` and ``synthetic`` are made in memory as these, and local image files are read as
+    these from their decoded copy on disk (:mod:`.decoded`, ``all_images`` then mapped from the
+    file), with the two things the pipeline asks of a ``datasets.Dataset`` (``len`` and
+    ``select``), so that a process reading them never imports Hugging Face ``datasets`` (pandas,
+    pyarrow, the hub client: about 1 CPU-second in every process that reads data, the
+    ServerApp's, each Ray actor's, each deployed ClientApp's). ``select`` copies no image: a split
+    of the mapped file that holds validation rows out costs no memory until its rows are read.
     Treat the arrays as read-only: cached splits share them.
     """
 
-    images: np.ndarray
+    all_images: np.ndarray
     labels: np.ndarray
+    rows: np.ndarray | None = None
+
+    @property
+    def images(self) -> np.ndarray:
+        """The split's images, in its order (a copy where it selects rows)."""
+        return self.all_images if self.rows is None else self.all_images[self.rows]
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
     def select(self, rows: Sequence[int] | np.ndarray) -> ArraySplit:
-        """The given rows, in that order (copies)."""
+        """The given rows, in that order."""
         rows = np.asarray(rows, dtype=np.int64)
-        return ArraySplit(self.images[rows], self.labels[rows])
+        return ArraySplit(self.all_images, self.labels[rows], rows if self.rows is None else self.rows[rows])
 
 
 Split = Union["datasets.Dataset", ArraySplit]  # what load_splits returns (module docstring)
@@ -198,8 +206,7 @@ def _load_external(
         builder, data_files = local_data_files(resolve_path(cfg.path), splits)
         loaded = datasets.load_dataset(builder, data_files=data_files, cache_dir=data_dir)
         source = f"dataset.path={cfg.path!r}"
-        if builder == "imagefolder":
-            columns = (IMAGE, LABEL)
+        columns = local_columns(builder, cfg)
     missing = [s for s in splits if s not in loaded]
     if missing:
         raise ValueError(
@@ -243,6 +250,20 @@ def local_data_files(path: str, splits: Sequence[str]) -> tuple[str, dict[str, l
     return "parquet", {s: _split_parquet_files(root, s) for s in splits}
 
 
+def split_files(builder: str, files: list[str]) -> list[str]:
+    """The files of one split from :func:`local_data_files`: its parquet files, or every file under
+    an image folder's split (its one recursive pattern, ``<path>/<split>/**``), sorted."""
+    if builder == "imagefolder":
+        return sorted(f for f in glob.iglob(files[0], recursive=True) if os.path.isfile(f))
+    return files
+
+
+def local_columns(builder: str, cfg: DatasetConfig) -> tuple[str, str]:
+    """The image and label columns of local data: ``image``/``label`` for an image folder (as
+    ``datasets``' ``imagefolder`` names them), else the configured ones."""
+    return (IMAGE, LABEL) if builder == "imagefolder" else (cfg.image_column, cfg.label_column)
+
+
 def check_local_path(cfg: DatasetConfig) -> None:
     """Refuse a ``dataset.path`` the run could not read, without loading any data (milliseconds):
     ConfigError naming it when it fits none of the layouts above, when a split of an image folder
@@ -253,8 +274,8 @@ def check_local_path(cfg: DatasetConfig) -> None:
     try:
         builder, data_files = local_data_files(resolve_path(cfg.path), (cfg.train_split, cfg.test_split))
         for split, files in data_files.items():
-            if builder == "imagefolder":  # files: one recursive pattern, <path>/<split>/**
-                if not any(os.path.isfile(f) for f in glob.iglob(files[0], recursive=True)):
+            if builder == "imagefolder":
+                if not split_files(builder, files):
                     raise FileNotFoundError(f"the image folder's {split!r} split holds no files")
                 continue
             for file in files:

@@ -56,7 +56,7 @@ def _decode_images(ds: Split, cfg: DatasetConfig) -> Tensor:
     return _array_images(pixels, cfg)
 
 
-def image_pixels(ds: "datasets.Dataset", cfg: DatasetConfig) -> np.ndarray | None:
+def image_pixels(ds: datasets.Dataset, cfg: DatasetConfig) -> np.ndarray | None:
     """A split's image column decoded to uint8 pixels (N, C, S, S) of ``cfg.channels`` at
     ``cfg.image_size`` (mode converted, resized with PIL's bilinear filter where the size differs);
     None when the column holds arrays rather than images."""
@@ -78,8 +78,8 @@ def _array_images(arrays: Any, cfg: DatasetConfig) -> Tensor:
     """Image arrays (N, C, H, W) or (N, H, W), checked against ``cfg.channels``: floats in [0, 1]
     as float32, or uint8 pixels divided by 255."""
     arrays = np.asarray(arrays)
-    if arrays.dtype == np.uint8:
-        images = torch.from_numpy(np.array(arrays)).float().div_(255.0)  # np.array: a writable copy
+    if arrays.dtype == np.uint8:  # (astype copies: the arrays may be a read-only mapped file)
+        images = torch.from_numpy(arrays.astype(np.float32)).div_(255.0)
     else:
         images = torch.as_tensor(arrays.astype(np.float32, copy=False))
     if images.dim() == 3:
