@@ -11,17 +11,18 @@ ClientApp's train handler does for partition 0 in round 1 and times its phases:
 
 - imports: ``fedact_app.client_app`` (torch, Flower; not what Flower itself imports before it
   loads the app);
-- trainer: the run config, the task (its data libraries: Hugging Face datasets for hub, parquet
-  and image-folder data; none for digits and synthetic), the model and the optimizer
-  (``trainer_for``);
-- data: the splits, the partition and the decoding of the client's rows;
+- trainer: the run config, the task, the model (timm's import for the ViT, Swin and ResNet-18)
+  and the optimizer (``trainer_for``);
+- data: the splits, the partition and the client's rows (Hugging Face datasets' import and the
+  images' decoding for hub data; for local image files only in the first process, which decodes
+  them whole into the cache);
 - round: the K local steps and the reply's arrays (``ClientTrainer.train_round``);
 - warm round: the same round again in the same process, what a simulation client pays from
   its second round on.
 
 The first process starts with an empty cache (``FEDACT_CACHE_DIR`` in a new temporary folder),
-the others find the partition (and the digits split) there, as a SuperNode does from its second
-message on.
+the others find the partition (and the digits split, or the decoded images of local files) there,
+as a SuperNode does from its second message on.
 Medians are over those others.
 """
 
