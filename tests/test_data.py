@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -255,6 +256,7 @@ def test_an_array_split_selects_rows_in_the_order_given():
     picked = split.select([3, 0, 3])
     assert len(picked) == 3 and picked.labels.tolist() == [3, 0, 3]
     assert np.array_equal(picked.images[1], split.images[0]) and splits.labels_of(picked) is picked.labels
+    assert picked.all_images is split.all_images  # no image copied until they are read
     again = picked.select([2, 1])  # a selection of a selection: rows 3 and 0 of the arrays
     assert again.labels.tolist() == [3, 0] and np.array_equal(again.images, split.images[[3, 0]])
 
@@ -452,7 +454,9 @@ def test_decoded_files_give_the_tensors_of_a_process_decoding_its_rows(layout, t
     monkeypatch.setenv(cache.CACHE_ENV, "")
     reference = all_tensors(cfg)
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
-    decoding, reading = all_tensors(cfg), all_tensors(cfg)
+    decoding = all_tensors(cfg)
+    monkeypatch.setattr(decoded, "load_splits", None)  # the next pass reads the decoded files only
+    reading = all_tensors(cfg)
     assert [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
     for got in (decoding, reading):
         assert len(got) == len(reference)
@@ -463,16 +467,20 @@ def test_decoded_files_give_the_tensors_of_a_process_decoding_its_rows(layout, t
 def test_an_image_added_to_a_folder_is_decoded_again(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     cfg = image_folder(tmp_path / "folder")
-    assert len(decoded.decoded_splits(cfg, None, 0)[0]) == 12
+    first = decoded.decoded_splits(cfg, None, 0)[0]
+    assert isinstance(first, splits.ArraySplit) and len(first) == 12
+    (entry,) = [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
     pil_images(1, 32, seed=5)[0].save(tmp_path / "folder" / "train" / "truck" / "new.png")
     train, _ = decoded.decoded_splits(cfg, None, 0)
+    assert isinstance(train, splits.ArraySplit)
     assert len(train) == 13 and np.bincount(splits.labels_of(train)).tolist() == [4, 4, 5]
+    assert [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()] != [entry]
 
 
 def test_a_cache_folder_that_cannot_be_made_reads_the_files_as_they_are(tmp_path, monkeypatch):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "a-file" / "cache"))
-    with pytest.warns(RuntimeWarning, match="Decoded image cache not written"):
+    with pytest.warns(RuntimeWarning, match="Decoded images of dataset.path=.* not kept on disk: the lock"):
         train, test = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), None, 0)
     assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (30, 6)
 
@@ -497,15 +505,17 @@ def test_decoded_files_are_made_again_when_the_data_changes_or_they_are_damaged(
             np.save(entry / "train_images.npy", np.zeros((30, 1, 8, 8), dtype=np.uint8))
         else:
             (entry / "train_images.npy").write_bytes(damage)
-        again = decoded.decoded_splits(cfg, None, 0)[0]
-        assert np.array_equal(again.images, first)
+        assert np.array_equal(decoded.decoded_splits(cfg, None, 0)[0].images, first)  # (no mapping kept)
         assert np.array_equal(np.load(entry / "train_images.npy"), first)  # replaced
+    (tmp_path / "cache" / "decoded" / f"{entry.name}.123.4.partial").mkdir()  # a killed writer's
     fmnist_like(tmp_path / "fmnist", seed=7)  # new files in place of the old
     os.utime(tmp_path / "fmnist" / "train.parquet", ns=(1, 1))  # whatever the clock's resolution
     changed = decoded.decoded_splits(cfg, None, 0)[0]
     expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(30, 40, mode="L", seed=7)]
     assert np.array_equal(changed.images[:, 0], np.stack(expected))
-    assert len([p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]) == 2
+    (new_entry,) = [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]  # the old one removed
+    assert new_entry != entry
+    assert sorted(p.name for p in new_entry.parent.iterdir()) == [new_entry.name, f"{new_entry.name}.lock"]
 
 
 def test_labels_read_from_decoded_files_are_checked_against_num_classes(tmp_path, monkeypatch):
@@ -524,9 +534,10 @@ def test_an_image_column_of_arrays_is_not_kept_decoded(tmp_path, monkeypatch):
                       {"image": rng.random((n, 1, 4, 4), dtype=np.float32).tolist(), "label": list(range(n))})
     cfg = DatasetConfig(name="fashion_mnist", path=str(tmp_path / "arrays"), image_size=4, channels=1,
                         mean=[0.0], std=[1.0], augment=False)
-    for _ in range(2):  # the second process finds the note the first left, and takes no lock
+    for process in ("first", "later"):
         train, test = decoded.decoded_splits(cfg, None, 0)
         assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (4, 2)
+        monkeypatch.setattr(decoded, "exclusive", None)  # later ones find the note and take no lock
     assert not [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
     assert len(list((tmp_path / "cache" / "decoded").glob("*.arrays"))) == 1
 
@@ -535,10 +546,51 @@ def test_decoded_files_are_not_written_where_the_disk_lacks_the_room(tmp_path, m
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=20_000))
-    with pytest.warns(RuntimeWarning, match=r"needs 0 MiB and .* has 0 MiB free"):
-        train, _ = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), None, 0)  # 36 x (784 + 8) bytes
+    cfg = fmnist_like(tmp_path / "fmnist")
+    with pytest.warns(RuntimeWarning, match=r"not kept on disk: .* needs 0 MiB and .* has 0 MiB free"):
+        train, _ = decoded.decoded_splits(cfg, None, 0)  # 36 x (784 + 8) bytes, and 1 GiB spare
     assert isinstance(train, datasets.Dataset)
     assert not [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
+    assert_later_processes_read_the_files(cfg, monkeypatch)
+
+
+def assert_later_processes_read_the_files(cfg: DatasetConfig, monkeypatch) -> None:
+    """After a failed write, a note keeps later processes from decoding (and warning) again."""
+    monkeypatch.setattr(decoded, "image_pixels", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train, _ = decoded.decoded_splits(cfg, None, 0)
+    assert isinstance(train, datasets.Dataset) and len(train) == 30
+
+
+def test_an_entry_that_cannot_be_written_is_noted_and_this_process_keeps_its_pixels(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = fmnist_like(tmp_path / "fmnist")
+    monkeypatch.setattr(decoded, "write_cache_folder", lambda path, **arrays: OSError("Disk quota exceeded"))
+    with pytest.warns(RuntimeWarning, match=r"cannot be written \(Disk quota exceeded\).*delete .*\.unwritable"):
+        train, test = decoded.decoded_splits(cfg, None, 0)
+    assert isinstance(train, splits.ArraySplit) and (len(train), len(test)) == (30, 6)
+    expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(6, 40, mode="L", seed=1)]
+    assert np.array_equal(test.images[:, 0], np.stack(expected))
+    assert_later_processes_read_the_files(cfg, monkeypatch)
+
+
+def test_a_file_system_without_locks_reads_the_files_as_they_are(tmp_path, monkeypatch):
+    import errno
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+
+    flock = cache.fcntl.flock
+
+    def refuse_blocking_locks(fd, operation):  # cache.exclusive's; datasets' own locks do not block
+        if operation == cache.fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, "No locks available")
+        return flock(fd, operation)
+
+    monkeypatch.setattr(cache.fcntl, "flock", refuse_blocking_locks)
+    with pytest.warns(RuntimeWarning, match=r"the lock .* cannot be taken: .*No locks available"):
+        train, _ = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), None, 0)
+    assert isinstance(train, datasets.Dataset) and len(train) == 30
 
 
 def test_hub_dataset_offline_fails_fast_with_a_helpful_message(tmp_path):

@@ -1,6 +1,7 @@
 """Image classification (the seed's vision study): :class:`VisionTask` (:mod:`.task`) over the vision
-data (:mod:`.data`: :mod:`.splits` -> :mod:`.partition` -> :mod:`.tensors` -> :mod:`.batches`) and
-the vision models (:mod:`.models`).
+data (:mod:`.data`: :mod:`.splits` and :mod:`.decoded` -> :mod:`.partition` -> :mod:`.tensors` ->
+:mod:`.batches`, with :mod:`.cache` keeping what they derive on disk) and the vision models
+(:mod:`.models`).
 
 ``fedact_app.tasks.vision:VisionTask`` is the task registry's name for the class.
 """

@@ -58,7 +58,8 @@ def write_cache_file(path: Path | None, what: str, **arrays: np.ndarray) -> None
         os.replace(partial, path)
     except OSError as exc:
         partial.unlink(missing_ok=True)
-        _warn_not_written(what, exc)
+        warnings.warn(f"{what} cache not written ({exc}); set {CACHE_ENV} to a writable folder, or to an "
+                      "empty value to turn the cache off", RuntimeWarning, stacklevel=3)
 
 
 def read_cache_folder(path: Path | None, names: Sequence[str]) -> dict[str, np.ndarray] | None:
@@ -72,12 +73,10 @@ def read_cache_folder(path: Path | None, names: Sequence[str]) -> dict[str, np.n
         return None
 
 
-def write_cache_folder(path: Path | None, what: str, **arrays: np.ndarray) -> None:
+def write_cache_folder(path: Path, **arrays: np.ndarray) -> OSError | None:
     """Store each array as ``<path>/<name>.npy``: written into a new folder that then takes the
-    place of ``path`` (replacing a damaged one); skipped with a warning naming ``what`` when it
-    cannot be written. Call it holding :func:`exclusive` for ``path``."""
-    if path is None:
-        return
+    place of ``path`` (replacing a damaged one); the error where that fails (nothing is left
+    behind). Call it holding :func:`exclusive` for ``path``."""
     for left in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):  # from writers that were killed
         shutil.rmtree(left, ignore_errors=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
@@ -90,16 +89,17 @@ def write_cache_folder(path: Path | None, what: str, **arrays: np.ndarray) -> No
         os.rename(partial, path)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
-        _warn_not_written(what, exc)
+        return exc
+    return None
 
 
 @contextlib.contextmanager
-def exclusive(path: Path, what: str) -> Iterator[bool]:
+def exclusive(path: Path) -> Iterator[OSError | None]:
     """Hold ``<path>.lock`` (``flock``; released when the holder exits, however it exits) while
     the body runs, so that processes which all miss the same entry compute it once: the others
-    wait, then read it. Yields whether the lock is held; where the lock file cannot be made or the
-    file system refuses locks it warns naming ``what`` and yields False (the caller should then
-    not compute the entry)."""
+    wait, then read it. Yields None while the lock is held, or the error where the lock file
+    cannot be made or the file system refuses locks (the caller should then not compute the
+    entry)."""
     lock, error = None, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,13 +110,7 @@ def exclusive(path: Path, what: str) -> Iterator[bool]:
     if error is not None:  # (the body runs outside the except: its errors are not chained to this one)
         if lock is not None:
             lock.close()
-        _warn_not_written(what, error)
-        yield False
+        yield error
         return
     with lock:
-        yield True
-
-
-def _warn_not_written(what: str, exc: OSError) -> None:
-    warnings.warn(f"{what} cache not written ({exc}); set {CACHE_ENV} to a writable folder, or to an "
-                  "empty value to turn the cache off", RuntimeWarning, stacklevel=4)
+        yield None

@@ -4,9 +4,9 @@ process (in simulation one process serves many clients).
 Everything a client trains on passes through four steps, one module each:
 
 1. :mod:`.splits` - :func:`~.splits.load_splits`: the train and test splits (digits, synthetic, the
-   hub or a local ``dataset.path``) with columns ``image`` and ``label``, labels checked; local
-   image files are read from their decoded copy on disk after the first process
-   (:mod:`.decoded`).
+   hub or a local ``dataset.path``) with columns ``image`` and ``label``, labels checked; through
+   :func:`~.decoded.decoded_splits` (:mod:`.decoded`), which reads local image files from their
+   decoded copy on disk after the first process.
 2. :mod:`.partition` - :func:`~.partition.holdout_rows` (only when ``dataset.holdout_fraction`` > 0)
    holds a seed-fixed slice of the training split out as the server's validation set;
    :func:`~.partition.partition_indices` says which training rows each client holds.

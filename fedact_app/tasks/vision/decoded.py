@@ -7,19 +7,23 @@ project's 2-core machines: 0.17 s a 3,000-image partition, 0.65 s the test split
 each Ray actor decodes again every partition it serves, in a deployment each message's ClientApp
 its own. Instead, the first process to read a dataset decodes both splits whole, to uint8 pixels
 at ``dataset.channels`` and ``dataset.image_size``, and keeps them in ``$FEDACT_CACHE_DIR/decoded``
-(:mod:`.cache`); later processes map the files into memory, read only the rows they select and
-never import ``datasets``. Processes that miss the entry at once wait for the first one's decode
-(a file lock). The pixels, and so every tensor made from them, are those of a process that decodes
-its rows itself.
+(:mod:`.cache`); later processes map the files into memory, read only the rows they select and do
+not import ``datasets`` for them. Processes that miss the entry at once wait for the first one's
+decode (a file lock). The pixels, and so every tensor made from them, are those of a process that
+decodes its rows itself.
 
-An entry's name hashes each data file's path, size, inode, modification and change times, the
-image and label columns, the channels and image size, and the versions of Pillow and ``datasets``:
-files replaced or touched are decoded again (old entries stay until deleted; ``decoded/`` can be
-deleted at any time). An entry holds the decoded size (Fashion-MNIST 55 MB, CIFAR-10 184 MB,
-Tiny-ImageNet 1.35 GB); where the disk lacks that space, or the cache folder cannot be written or
-locked, each process reads the files as before, with a warning. Hub datasets (``dataset.path``
-null), ``digits`` and ``synthetic`` (arrays already), image columns that hold arrays, and a cache
-turned off are read by :func:`~.splits.load_splits` as they are.
+An entry's name is ``<dataset>-<source>-<state>``: ``source`` hashes the data's path, its split
+names and columns, the channels and image size, and the versions of Pillow and ``datasets``;
+``state`` hashes each data file's path, size, inode, modification and change times. Files replaced
+or touched are decoded again, and the new entry takes the place of the old one. An entry holds the
+decoded size, N x (C x S x S + 8) bytes (Fashion-MNIST 55 MB, CIFAR-10 185 MB, Tiny-ImageNet
+1.35 GB); ``decoded/`` can be deleted at any time. Where the cache folder cannot be locked, or an
+entry cannot be written (the disk lacks its size and 1 GiB to spare, a quota, an I/O error), the
+process warns and reads the files as before; after a failed write a note ``<entry>.unwritable``
+says why, and later processes read the files as before without trying again (delete the note to
+try again). Hub datasets (``dataset.path`` null), ``digits`` and ``synthetic`` (arrays already),
+image columns that hold arrays (noted as ``<entry>.arrays``) and a cache turned off are read by
+:func:`~.splits.load_splits` as they are.
 """
 
 from __future__ import annotations
@@ -35,9 +39,7 @@ import numpy as np
 import PIL
 
 from fedact_app.config import DatasetConfig
-from fedact_app.tasks.vision.cache import (
-    CACHE_ENV, cache_folder, exclusive, read_cache_folder, write_cache_folder,
-)
+from fedact_app.tasks.vision.cache import cache_folder, exclusive, read_cache_folder, write_cache_folder
 from fedact_app.tasks.vision.splits import (
     ArraySplit, Split, check_labels, labels_of, load_splits, local_columns, local_data_files, resolve_path,
     split_files,
@@ -46,7 +48,8 @@ from fedact_app.tasks.vision.tensors import image_pixels
 
 DECODED_FORMAT = 1  # raise it whenever the stored arrays are made differently
 STORED = ("train", "test")  # the prefixes of an entry's files: train_images.npy, train_labels.npy, ...
-WHAT = "Decoded image"
+SPARE_BYTES = 2**30  # left free on the disk after an entry is written (checkpoints, logs)
+NOTES = (".arrays", ".unwritable")  # next to an entry: read the files with load_splits, do not decode
 
 
 def decoded_splits(cfg: DatasetConfig, data_dir: str | None, seed: int) -> tuple[Split, Split]:
@@ -54,13 +57,17 @@ def decoded_splits(cfg: DatasetConfig, data_dir: str | None, seed: int) -> tuple
     copy on disk (made here by the first process that misses it) as :class:`~.splits.ArraySplit`
     of uint8 pixels; labels checked against ``dataset.num_classes`` either way."""
     entry = _entry(cfg)
-    if entry is None or _holds_arrays(entry[0]):
+    if entry is None:
         return load_splits(cfg, data_dir, seed)
     path, label_column = entry
+    if any(_note(path, kind).exists() for kind in NOTES):
+        return load_splits(cfg, data_dir, seed)
     stored = _read(path, cfg)
     if stored is None:
-        with exclusive(path, WHAT) as locked:
-            if not locked:
+        with exclusive(path) as lock_error:
+            if lock_error is not None:
+                _warn(cfg, f"the lock {path}.lock cannot be taken: {lock_error}; use a local folder that "
+                      "supports file locks")
                 return load_splits(cfg, data_dir, seed)
             stored = _read(path, cfg)  # another process may have stored it while this one waited
             if stored is None:
@@ -89,14 +96,19 @@ def _entry(cfg: DatasetConfig) -> tuple[Path, str] | None:
     except (OSError, ValueError, PackageNotFoundError):
         return None
     columns = local_columns(builder, cfg)
-    settings = (DECODED_FORMAT, files, columns, cfg.channels, cfg.image_size, versions)
-    digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:32]
-    return folder / f"{cfg.name}-{digest}", columns[1]
+    source = (DECODED_FORMAT, resolve_path(cfg.path), cfg.train_split, cfg.test_split, columns, cfg.channels,
+              cfg.image_size, versions)
+    return folder / f"{cfg.name}-{_digest(source)}-{_digest(files)}", columns[1]
 
 
-def _holds_arrays(path: Path) -> bool:
-    """Whether an earlier process found the image column to hold arrays, not images."""
-    return path.with_name(f"{path.name}.arrays").exists()
+def _digest(value: object) -> str:
+    """A short hash of ``repr(value)``."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:24]
+
+
+def _note(path: Path, kind: str) -> Path:
+    """The note of ``kind`` (one of :data:`NOTES`) next to the entry at ``path``."""
+    return path.with_name(path.name + kind)
 
 
 def _read(path: Path, cfg: DatasetConfig) -> tuple[ArraySplit, ArraySplit] | None:
@@ -104,8 +116,8 @@ def _read(path: Path, cfg: DatasetConfig) -> tuple[ArraySplit, ArraySplit] | Non
     stored = read_cache_folder(path, [f"{split}_{array}" for split in STORED for array in ("images", "labels")])
     if stored is None:
         return None
+    splits = _splits(stored)
     shape = (cfg.channels, cfg.image_size, cfg.image_size)
-    splits = tuple(ArraySplit(stored[f"{split}_images"], stored[f"{split}_labels"]) for split in STORED)
     for split in splits:
         if (split.all_images.dtype != np.uint8 or split.all_images.shape[1:] != shape
                 or split.labels.dtype != np.int64 or split.labels.shape != split.all_images.shape[:1]):
@@ -113,28 +125,63 @@ def _read(path: Path, cfg: DatasetConfig) -> tuple[ArraySplit, ArraySplit] | Non
     return splits
 
 
+def _splits(arrays: dict[str, np.ndarray]) -> tuple[ArraySplit, ArraySplit]:
+    """The train and test splits of an entry's arrays."""
+    return tuple(ArraySplit(arrays[f"{split}_images"], arrays[f"{split}_labels"]) for split in STORED)
+
+
 def _decode_and_store(path: Path, cfg: DatasetConfig, data_dir: str | None, seed: int) -> tuple[Split, Split]:
     """Both splits read by :func:`~.splits.load_splits`, decoded whole and stored at ``path``,
-    then read back from there (mapped, not held in this process's memory). The splits as loaded
-    where their image column holds arrays rather than images (remembered next to ``path``) or the
-    disk lacks the room."""
+    then read back from there (mapped, not held in this process's memory), and the entries of
+    older states of the same source removed. The splits as loaded, and a note next to ``path``,
+    where their image column holds arrays rather than images or the entry cannot be written."""
     loaded = load_splits(cfg, data_dir, seed)
-    needed = sum(len(split) for split in loaded) * (cfg.channels * cfg.image_size ** 2 + 8)
+    needed = sum(len(split) for split in loaded) * (cfg.channels * cfg.image_size ** 2 + 8)  # + the int64 label
     free = shutil.disk_usage(path.parent).free
-    if needed > free:
-        warnings.warn(f"{WHAT} cache not written: it needs {needed / 2**20:.0f} MiB and {path.parent} has "
-                      f"{free / 2**20:.0f} MiB free; free some, or set {CACHE_ENV} to another folder",
-                      RuntimeWarning, stacklevel=3)
+    if needed + SPARE_BYTES > free:
+        _not_written(path, cfg, f"it needs {needed / 2**20:.0f} MiB and {path.parent} has {free / 2**20:.0f} "
+                     f"MiB free, of which {SPARE_BYTES // 2**20} MiB are kept spare")
         return loaded
     decoded = {}
     for name, split in zip(STORED, loaded):
         pixels = image_pixels(split, cfg)
         if pixels is None:
-            path.with_name(f"{path.name}.arrays").touch()
+            _write_note(path, ".arrays", "the image column holds arrays, not images")
             return loaded
         decoded.update({f"{name}_images": pixels, f"{name}_labels": labels_of(split).astype(np.int64)})
-    write_cache_folder(path, WHAT, **decoded)
-    stored = _read(path, cfg)
-    if stored is None:  # not written (warned): this process keeps the pixels it decoded
-        return tuple(ArraySplit(decoded[f"{name}_images"], decoded[f"{name}_labels"]) for name in STORED)
+    error = write_cache_folder(path, **decoded)
+    stored = None if error else _read(path, cfg)
+    if stored is None:
+        _not_written(path, cfg, str(error or "it cannot be read back"))
+        return _splits(decoded)
+    source = path.name.rsplit("-", 1)[0]
+    for old in path.parent.glob(f"{source}-*"):  # (a process still reading an old entry keeps its mapping)
+        if old.name.startswith(path.name):  # this entry, its lock
+            continue
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
     return stored
+
+
+def _not_written(path: Path, cfg: DatasetConfig, reason: str) -> None:
+    """Warn that the entry at ``path`` is not written, and note it so that later processes do not
+    decode the whole data set again only to fail the same way."""
+    _warn(cfg, f"{path} cannot be written ({reason}); later processes read the files as before "
+          f"(delete {_note(path, '.unwritable')} to try again)", stacklevel=5)
+    _write_note(path, ".unwritable", reason)
+
+
+def _write_note(path: Path, kind: str, reason: str) -> None:
+    """Leave the note of ``kind`` next to the entry at ``path``, saying ``reason``."""
+    try:
+        _note(path, kind).write_text(reason + "\n")
+    except OSError:  # then every process tries again
+        pass
+
+
+def _warn(cfg: DatasetConfig, message: str, stacklevel: int = 3) -> None:
+    """A warning, pointing at the caller of :func:`decoded_splits`."""
+    warnings.warn(f"Decoded images of dataset.path={cfg.path!r} not kept on disk: {message}", RuntimeWarning,
+                  stacklevel=stacklevel)

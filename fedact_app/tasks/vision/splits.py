@@ -1,8 +1,8 @@
 """Vision data, step 1: the train and test splits, labels checked to lie in ``[0, num_classes)``
 (:func:`load_splits`). A split (:data:`Split`) is a Hugging Face ``datasets.Dataset`` with two
 columns, ``image`` and ``label`` (renamed from ``dataset.image_column`` /
-``dataset.label_column``), or for ``digits`` and ``synthetic`` an :class:`ArraySplit` of images
-and labels.
+``dataset.label_column``), or an :class:`ArraySplit` of images and labels: ``digits`` and
+``synthetic`` here, and local image files read from their decoded copy on disk (:mod:`.decoded`).
 
 Sources (``dataset.name`` / ``dataset.path`` / ``dataset.hub_path``):
 
@@ -94,11 +94,11 @@ class ArraySplit:
 
     def select(self, rows: Sequence[int] | np.ndarray) -> ArraySplit:
         """The given rows, in that order."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = np.array(rows, dtype=np.int64)  # (a copy: the caller's array may change later)
         return ArraySplit(self.all_images, self.labels[rows], rows if self.rows is None else self.rows[rows])
 
 
-Split = Union["datasets.Dataset", ArraySplit]  # what load_splits returns (module docstring)
+Split = Union["datasets.Dataset", ArraySplit]  # a train or test split (module docstring)
 
 
 def load_splits(cfg: DatasetConfig, data_dir: str | None = None, seed: int = 42) -> tuple[Split, Split]:

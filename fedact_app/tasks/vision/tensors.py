@@ -51,8 +51,8 @@ def _decode_images(ds: Split, cfg: DatasetConfig) -> Tensor:
     if isinstance(ds, ArraySplit):
         return _array_images(ds.images, cfg)
     pixels = image_pixels(ds, cfg)
-    if pixels is None:
-        return _array_images(ds.with_format("numpy", columns=[IMAGE])[:][IMAGE], cfg)
+    if pixels is None:  # arrays: their values as they are, whatever the dtype (uint8 too)
+        return _array_images(np.asarray(ds.with_format("numpy", columns=[IMAGE])[:][IMAGE], dtype=np.float32), cfg)
     return _array_images(pixels, cfg)
 
 
