@@ -474,14 +474,16 @@ def test_an_image_added_to_a_folder_is_decoded_again(tmp_path, monkeypatch):
     train, _ = decoded.decoded_splits(cfg, None, 0)
     assert isinstance(train, splits.ArraySplit)
     assert len(train) == 13 and np.bincount(splits.labels_of(train)).tolist() == [4, 4, 5]
-    assert [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()] != [entry]
+    (new_entry,) = [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
+    assert new_entry != entry
 
 
 def test_a_cache_folder_that_cannot_be_made_reads_the_files_as_they_are(tmp_path, monkeypatch):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "a-file" / "cache"))
-    with pytest.warns(RuntimeWarning, match="Decoded images of dataset.path=.* not kept on disk: the lock"):
+    with pytest.warns(RuntimeWarning, match="Decoded images of dataset.path=.* not kept on disk: the lock") as record:
         train, test = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), None, 0)
+    assert record[0].filename == __file__  # (the caller of decoded_splits)
     assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (30, 6)
 
 
@@ -507,15 +509,16 @@ def test_decoded_files_are_made_again_when_the_data_changes_or_they_are_damaged(
             (entry / "train_images.npy").write_bytes(damage)
         assert np.array_equal(decoded.decoded_splits(cfg, None, 0)[0].images, first)  # (no mapping kept)
         assert np.array_equal(np.load(entry / "train_images.npy"), first)  # replaced
-    (tmp_path / "cache" / "decoded" / f"{entry.name}.123.4.partial").mkdir()  # a killed writer's
     fmnist_like(tmp_path / "fmnist", seed=7)  # new files in place of the old
     os.utime(tmp_path / "fmnist" / "train.parquet", ns=(1, 1))  # whatever the clock's resolution
+    for killed in (entry, decoded._entry(cfg)[0]):  # writers killed while writing the old and the new state
+        (tmp_path / "cache" / "decoded" / f"{killed.name}.123.4.partial").mkdir()
     changed = decoded.decoded_splits(cfg, None, 0)[0]
     expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(30, 40, mode="L", seed=7)]
     assert np.array_equal(changed.images[:, 0], np.stack(expected))
     (new_entry,) = [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]  # the old one removed
     assert new_entry != entry
-    assert sorted(p.name for p in new_entry.parent.iterdir()) == [new_entry.name, f"{new_entry.name}.lock"]
+    assert sorted(p.name for p in new_entry.parent.iterdir() if not p.name.endswith(".lock")) == [new_entry.name]
 
 
 def test_labels_read_from_decoded_files_are_checked_against_num_classes(tmp_path, monkeypatch):
@@ -547,8 +550,9 @@ def test_decoded_files_are_not_written_where_the_disk_lacks_the_room(tmp_path, m
     usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=20_000))
     cfg = fmnist_like(tmp_path / "fmnist")
-    with pytest.warns(RuntimeWarning, match=r"not kept on disk: .* needs 0 MiB and .* has 0 MiB free"):
+    with pytest.warns(RuntimeWarning, match=r"not kept on disk: .* needs 0 MiB and .* has 0 MiB free") as record:
         train, _ = decoded.decoded_splits(cfg, None, 0)  # 36 x (784 + 8) bytes, and 1 GiB spare
+    assert record[0].filename == __file__  # (the caller of decoded_splits)
     assert isinstance(train, datasets.Dataset)
     assert not [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]
     assert_later_processes_read_the_files(cfg, monkeypatch)
@@ -567,12 +571,34 @@ def test_an_entry_that_cannot_be_written_is_noted_and_this_process_keeps_its_pix
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     cfg = fmnist_like(tmp_path / "fmnist")
     monkeypatch.setattr(decoded, "write_cache_folder", lambda path, **arrays: OSError("Disk quota exceeded"))
-    with pytest.warns(RuntimeWarning, match=r"cannot be written \(Disk quota exceeded\).*delete .*\.unwritable"):
+    warning = r"cannot be written \(Disk quota exceeded\).*delete .*\.unwritable"
+    with pytest.warns(RuntimeWarning, match=warning) as record:
         train, test = decoded.decoded_splits(cfg, None, 0)
+    assert record[0].filename == __file__  # (the caller of decoded_splits)
     assert isinstance(train, splits.ArraySplit) and (len(train), len(test)) == (30, 6)
     expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(6, 40, mode="L", seed=1)]
     assert np.array_equal(test.images[:, 0], np.stack(expected))
     assert_later_processes_read_the_files(cfg, monkeypatch)
+
+
+def test_processes_waiting_on_the_lock_find_the_note_of_a_failed_write(tmp_path, monkeypatch):
+    """A process that waited while the first one failed to write reads the files as before: it
+    does not decode the whole data set again."""
+    import contextlib
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = fmnist_like(tmp_path / "fmnist")
+
+    @contextlib.contextmanager
+    def after_a_failed_write(path):  # the lock, taken once the first process has noted its failure
+        path.parent.mkdir(parents=True, exist_ok=True)
+        decoded._write_note(path, ".unwritable", "Disk quota exceeded")
+        yield None
+
+    monkeypatch.setattr(decoded, "exclusive", after_a_failed_write)
+    monkeypatch.setattr(decoded, "image_pixels", None)
+    train, _ = decoded.decoded_splits(cfg, None, 0)
+    assert isinstance(train, datasets.Dataset) and len(train) == 30
 
 
 def test_a_file_system_without_locks_reads_the_files_as_they_are(tmp_path, monkeypatch):
@@ -588,8 +614,9 @@ def test_a_file_system_without_locks_reads_the_files_as_they_are(tmp_path, monke
         return flock(fd, operation)
 
     monkeypatch.setattr(cache.fcntl, "flock", refuse_blocking_locks)
-    with pytest.warns(RuntimeWarning, match=r"the lock .* cannot be taken: .*No locks available"):
+    with pytest.warns(RuntimeWarning, match=r"the lock .* cannot be taken: .*No locks available") as record:
         train, _ = decoded.decoded_splits(fmnist_like(tmp_path / "fmnist"), None, 0)
+    assert record[0].filename == __file__  # (the caller of decoded_splits)
     assert isinstance(train, datasets.Dataset) and len(train) == 30
 
 

@@ -13,9 +13,10 @@ decode (a file lock). The pixels, and so every tensor made from them, are those 
 decodes its rows itself.
 
 An entry's name is ``<dataset>-<source>-<state>``: ``source`` hashes the data's path, its split
-names and columns, the channels and image size, and the versions of Pillow and ``datasets``;
-``state`` hashes each data file's path, size, inode, modification and change times. Files replaced
-or touched are decoded again, and the new entry takes the place of the old one. An entry holds the
+names and columns, the channels and image size, the versions of Pillow and ``datasets`` and
+:data:`DECODED_FORMAT`; ``state`` hashes each data file's path, size, inode, modification and
+change times. Files replaced or touched are decoded again, and the new entry takes the place of
+the old one (entries of another source, e.g. of an older Pillow, stay until deleted). An entry holds the
 decoded size, N x (C x S x S + 8) bytes (Fashion-MNIST 55 MB, CIFAR-10 185 MB, Tiny-ImageNet
 1.35 GB); ``decoded/`` can be deleted at any time. Where the cache folder cannot be locked, or an
 entry cannot be written (the disk lacks its size and 1 GiB to spare, a quota, an I/O error), the
@@ -28,6 +29,7 @@ image columns that hold arrays (noted as ``<entry>.arrays``) and a cache turned 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import shutil
@@ -39,7 +41,7 @@ import numpy as np
 import PIL
 
 from fedact_app.config import DatasetConfig
-from fedact_app.tasks.vision.cache import cache_folder, exclusive, read_cache_folder, write_cache_folder
+from fedact_app.tasks.vision.cache import CACHE_ENV, cache_folder, exclusive, read_cache_folder, write_cache_folder
 from fedact_app.tasks.vision.splits import (
     ArraySplit, Split, check_labels, labels_of, load_splits, local_columns, local_data_files, resolve_path,
     split_files,
@@ -60,17 +62,19 @@ def decoded_splits(cfg: DatasetConfig, data_dir: str | None, seed: int) -> tuple
     if entry is None:
         return load_splits(cfg, data_dir, seed)
     path, label_column = entry
-    if any(_note(path, kind).exists() for kind in NOTES):
-        return load_splits(cfg, data_dir, seed)
     stored = _read(path, cfg)
     if stored is None:
+        if _noted(path):
+            return load_splits(cfg, data_dir, seed)
         with exclusive(path) as lock_error:
             if lock_error is not None:
-                _warn(cfg, f"the lock {path}.lock cannot be taken: {lock_error}; use a local folder that "
-                      "supports file locks")
+                _warn(cfg, f"the lock {path}.lock cannot be taken: {lock_error}; set {CACHE_ENV} to a local "
+                      "folder that supports file locks, or to an empty value", stacklevel=3)
                 return load_splits(cfg, data_dir, seed)
-            stored = _read(path, cfg)  # another process may have stored it while this one waited
+            stored = _read(path, cfg)  # another process may have stored it, or noted why not, meanwhile
             if stored is None:
+                if _noted(path):
+                    return load_splits(cfg, data_dir, seed)
                 return _decode_and_store(path, cfg, data_dir, seed)  # (load_splits checks the labels)
     for split_name, split in zip((cfg.train_split, cfg.test_split), stored):
         check_labels(split, cfg, split_name, label_column)
@@ -106,6 +110,14 @@ def _digest(value: object) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:24]
 
 
+def _noted(path: Path) -> bool:
+    """Whether a note next to the entry at ``path`` says to read the files with load_splits."""
+    try:
+        return any(_note(path, kind).exists() for kind in NOTES)
+    except OSError:  # a cache folder this process may not read
+        return True
+
+
 def _note(path: Path, kind: str) -> Path:
     """The note of ``kind`` (one of :data:`NOTES`) next to the entry at ``path``."""
     return path.with_name(path.name + kind)
@@ -132,10 +144,12 @@ def _splits(arrays: dict[str, np.ndarray]) -> tuple[ArraySplit, ArraySplit]:
 
 def _decode_and_store(path: Path, cfg: DatasetConfig, data_dir: str | None, seed: int) -> tuple[Split, Split]:
     """Both splits read by :func:`~.splits.load_splits`, decoded whole and stored at ``path``,
-    then read back from there (mapped, not held in this process's memory), and the entries of
-    older states of the same source removed. The splits as loaded, and a note next to ``path``,
-    where their image column holds arrays rather than images or the entry cannot be written."""
+    then read back from there (mapped, not held in this process's memory); first the entries of
+    the same source's other states are removed. With a note next to ``path``: the splits as loaded
+    where their image column holds arrays rather than images or the disk lacks the room, and the
+    decoded pixels (in memory) where the write fails."""
     loaded = load_splits(cfg, data_dir, seed)
+    _remove_other_states(path, cfg)
     needed = sum(len(split) for split in loaded) * (cfg.channels * cfg.image_size ** 2 + 8)  # + the int64 label
     free = shutil.disk_usage(path.parent).free
     if needed + SPARE_BYTES > free:
@@ -154,22 +168,33 @@ def _decode_and_store(path: Path, cfg: DatasetConfig, data_dir: str | None, seed
     if stored is None:
         _not_written(path, cfg, str(error or "it cannot be read back"))
         return _splits(decoded)
-    source = path.name.rsplit("-", 1)[0]
-    for old in path.parent.glob(f"{source}-*"):  # (a process still reading an old entry keeps its mapping)
-        if old.name.startswith(path.name):  # this entry, its lock
-            continue
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
     return stored
+
+
+def _remove_other_states(path: Path, cfg: DatasetConfig) -> None:
+    """Remove the entries of the files' other states, their notes and their writers' unfinished
+    folders, as long as the files are still in the state ``path`` names: a process that saw them
+    before they changed must not remove the entry of their new state. A process still reading a
+    removed entry keeps its mapping."""
+    current = _entry(cfg)
+    if current is None or current[0] != path:
+        return
+    source = path.name.rsplit("-", 1)[0]
+    for other in path.parent.glob(f"{glob.escape(source)}-*"):
+        if other.name.startswith(path.name) or other.name.endswith(".lock"):
+            continue  # this state's; a lock another process may hold (an empty file)
+        if other.is_dir():
+            shutil.rmtree(other, ignore_errors=True)
+        else:
+            other.unlink(missing_ok=True)
 
 
 def _not_written(path: Path, cfg: DatasetConfig, reason: str) -> None:
     """Warn that the entry at ``path`` is not written, and note it so that later processes do not
     decode the whole data set again only to fail the same way."""
     _warn(cfg, f"{path} cannot be written ({reason}); later processes read the files as before "
-          f"(delete {_note(path, '.unwritable')} to try again)", stacklevel=5)
+          f"(delete {_note(path, '.unwritable')} to try again, or set {CACHE_ENV} to another folder)",
+          stacklevel=5)
     _write_note(path, ".unwritable", reason)
 
 
@@ -181,7 +206,7 @@ def _write_note(path: Path, kind: str, reason: str) -> None:
         pass
 
 
-def _warn(cfg: DatasetConfig, message: str, stacklevel: int = 3) -> None:
-    """A warning, pointing at the caller of :func:`decoded_splits`."""
+def _warn(cfg: DatasetConfig, message: str, stacklevel: int) -> None:
+    """A warning; ``stacklevel`` points it at the caller of :func:`decoded_splits`."""
     warnings.warn(f"Decoded images of dataset.path={cfg.path!r} not kept on disk: {message}", RuntimeWarning,
                   stacklevel=stacklevel)
