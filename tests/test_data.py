@@ -69,6 +69,12 @@ def fmnist_like(root, seed: int = 0):
                          std=[0.353], augment=False)
 
 
+def fmnist_like_pixels(n: int, seed: int) -> np.ndarray:
+    """The uint8 pixels (n, 28, 28) of :func:`fmnist_like`'s images with this seed, resized by PIL
+    here (bilinear), as the data pipeline is to decode them."""
+    return np.stack([np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(n, 40, "L", seed)])
+
+
 def image_folder(root, n_train: int = 4, gray_file: bool = False):
     """An image folder of 3 classes of 32x32 RGB PNGs (``n_train`` training and 2 test images
     each), with one grayscale training image if ``gray_file``; its DatasetConfig."""
@@ -411,8 +417,7 @@ def test_local_image_files_are_decoded_once_and_read_back_without_datasets(tmp_p
             assert got[name].dtype == reference[name].dtype and np.array_equal(got[name], reference[name]), name
     (entry,) = [p for p in (cache_dir / "decoded").iterdir() if p.is_dir()]
     stored = np.load(entry / "test_images.npy")
-    expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(6, 40, mode="L", seed=1)]
-    assert stored.dtype == np.uint8 and np.array_equal(stored[:, 0], np.stack(expected))
+    assert stored.dtype == np.uint8 and np.array_equal(stored[:, 0], fmnist_like_pixels(6, seed=1))
     assert np.load(entry / "test_labels.npy").tolist() == [5, 4, 3, 2, 1, 0]
 
 
@@ -514,8 +519,7 @@ def test_decoded_files_are_made_again_when_the_data_changes_or_they_are_damaged(
     for killed in (entry, decoded._entry(cfg)[0]):  # writers killed while writing the old and the new state
         (tmp_path / "cache" / "decoded" / f"{killed.name}.123.4.partial").mkdir()
     changed = decoded.decoded_splits(cfg, None, 0)[0]
-    expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(30, 40, mode="L", seed=7)]
-    assert np.array_equal(changed.images[:, 0], np.stack(expected))
+    assert np.array_equal(changed.images[:, 0], fmnist_like_pixels(30, seed=7))
     (new_entry,) = [p for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()]  # the old one removed
     assert new_entry != entry
     assert sorted(p.name for p in new_entry.parent.iterdir() if not p.name.endswith(".lock")) == [new_entry.name]
@@ -576,8 +580,7 @@ def test_an_entry_that_cannot_be_written_is_noted_and_this_process_keeps_its_pix
         train, test = decoded.decoded_splits(cfg, None, 0)
     assert record[0].filename == __file__  # (the caller of decoded_splits)
     assert isinstance(train, splits.ArraySplit) and (len(train), len(test)) == (30, 6)
-    expected = [np.asarray(image.resize((28, 28), Image.BILINEAR)) for image in pil_images(6, 40, mode="L", seed=1)]
-    assert np.array_equal(test.images[:, 0], np.stack(expected))
+    assert np.array_equal(test.images[:, 0], fmnist_like_pixels(6, seed=1))
     assert_later_processes_read_the_files(cfg, monkeypatch)
 
 
