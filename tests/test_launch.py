@@ -305,6 +305,41 @@ def test_follow_run_reopens_a_broken_stream_and_names_why_when_the_run_does_not_
     assert len(streams) >= 2 and all(stream.stopped for stream in streams[-1:])
 
 
+def test_follow_run_stops_once_the_app_says_it_ended_without_waiting_for_flowers_status(tmp_path: Path) -> None:
+    log_path, calls = tmp_path / "run.log", []
+
+    def ended() -> bool:
+        calls.append(time.monotonic())
+        return len(calls) >= 3
+
+    run = flwr.follow_run(tmp_path, "c", 7, log_path, deadline=time.monotonic() + 30, poll_interval=0.1,
+                          status_of=lambda run_id: ("running", ""), ended=ended,
+                          open_stream=lambda: _FakeStream(log_path, "INFO: round 1\nINFO: the end\n"))
+    assert (run.status, run.details, run.timed_out) == (flwr.ENDED, flwr.ENDED_DETAILS, False)
+    assert run.log == "INFO: round 1\nINFO: the end\n" and len(calls) == 3
+    # an app that never says so: Flower's status, as without `ended`
+    run = flwr.follow_run(tmp_path, "c", 7, log_path, deadline=time.monotonic() + 30, poll_interval=0.1,
+                          status_of=lambda run_id: ("finished:failed", "boom"), ended=lambda: False,
+                          open_stream=lambda: _FakeStream(log_path, "INFO: round 1\n"))
+    assert (run.status, run.details, run.timed_out) == ("finished:failed", "boom", False)
+
+
+def test_a_serverapp_has_ended_once_its_file_is_written_and_its_line_has_reached_the_log(tmp_path: Path) -> None:
+    from fedact_app.serverapp_done import done_line
+
+    log_path, done_dir = tmp_path / "run.log", tmp_path / "done"
+    done_dir.mkdir()
+    ended = engine.serverapp_ended(done_dir, 12, log_path)
+    assert not ended()  # neither
+    log_path.write_text(f"INFO: \x1b[92m{done_line(12)}\x1b[0m\n")
+    assert not ended()  # the line, not the file
+    (done_dir / "12").touch()
+    log_path.write_text(f"INFO: {done_line(1)}\nINFO: {done_line(123)}\n")
+    assert not ended()  # the file, and only other runs' lines
+    log_path.write_text(f"INFO: round 3\nINFO: {done_line(12)}\n")
+    assert ended()
+
+
 def test_a_shared_cluster_engine_admits_a_run_once_the_others_ended_and_caps_the_runs_in_flight(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LocalEngine._claim with its processes faked healthy: a second run waits while the first is
@@ -463,6 +498,33 @@ def test_stop_tree_kills_what_it_noted_and_spares_a_process_given_a_noted_pid_la
         for proc in (root, other):
             proc.kill()
             proc.wait()
+
+
+def test_stop_tree_without_grace_kills_the_whole_tree_without_a_sigterm(tmp_path: Path) -> None:
+    """grace 0 (a run whose ServerApp has ended): no process gets the SIGTERM it would handle,
+    not even one in a session of its own, and all are gone when stop_tree returns."""
+    from fedact_app.cli import procs
+
+    handler = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: "
+               "pathlib.Path(sys.argv[1] + '.sigterm').touch()); pathlib.Path(sys.argv[1] + '.ready').touch(); "
+               "time.sleep(60)")
+    daemon = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {handler!r}, "
+              f"sys.argv[1] + '-child'], start_new_session=True); exec({handler!r})")
+    root = subprocess.Popen([sys.executable, "-c", daemon, str(tmp_path / "root")])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.ready"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # both handle SIGTERM from here on
+        tree = procs.descendants(root.pid)
+        pids = procs.stop_tree(root, set(), grace=0)
+        assert len(tree) == 1 and set(tree) <= set(pids) and root.poll() is not None
+        assert [p for p in pids if pid_alive(p)] == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["root-child.ready", "root.ready"], "SIGTERM sent"
+    finally:
+        for pid in procs.descendants(root.pid) if root.poll() is None else ():
+            procs.kill_quietly(pid, 9)
+        root.kill()
+        root.wait()
 
 
 def test_sigterm_becomes_system_exit_during_a_run() -> None:

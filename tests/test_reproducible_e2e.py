@@ -23,7 +23,9 @@ from safetensors.torch import load_file
 from fedact_app.config import compose
 from fedact_app.train import batch_generator
 from fedact_app.cli.engine import LocalEngine
-from fedact_app.cli.launch import run_simulation
+from fedact_app.cli.flwr import ENDED
+from fedact_app.cli.launch import pid_alive, run_simulation
+from fedact_app.serverapp_done import done_line
 from fedact_app.tasks.base import build_task
 
 pytestmark = pytest.mark.timeout(1200)
@@ -47,7 +49,7 @@ def runs(tmp_path_factory) -> dict:
         assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
         (folder,) = list(output.iterdir())
         rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-        return name, (rows, load_file(str(folder / "model.safetensors")))
+        return name, (rows, load_file(str(folder / "model.safetensors")), result)
 
     def alone():
         return [outcome("fedact-1", lambda *a, **kw: run_simulation(*a, **kw, env={"RAY_ADDRESS": NOTHING_THERE}))]
@@ -66,12 +68,22 @@ def without_clock(rows):
 
 @pytest.mark.e2e
 def test_two_launches_of_one_config_are_bit_identical(runs):
-    (rows_a, model_a), (rows_b, model_b) = runs["fedact-1"], runs["fedact-2"]
+    (rows_a, model_a, _), (rows_b, model_b, _) = runs["fedact-1"], runs["fedact-2"]
     assert [r["round"] for r in rows_a] == [0, 1, 2, 3, 4]
     assert all(len(r["sampled_clients"]) == 3 for r in rows_a[1:])
     assert len({tuple(r["sampled_clients"]) for r in rows_a[1:]}) > 1  # a sample, not every client
     assert without_clock(rows_a) == without_clock(rows_b)  # floats compared exactly
     assert model_a.keys() == model_b.keys() and all(torch.equal(model_a[n], model_b[n]) for n in model_a)
+
+
+@pytest.mark.e2e
+def test_a_lone_run_ends_once_its_serverapp_has_and_leaves_no_process(runs):
+    """run_simulation stops at the ServerApp's end, not Flower's (its metrics and model, written
+    by then, are those of the engine's run above); a sweep job's engine waits for Flower."""
+    alone, on_engine = runs["fedact-1"][2], runs["fedact-2"][2]
+    assert (alone.status, on_engine.status) == (ENDED, "finished:completed")
+    assert alone.log.rstrip().endswith(done_line(alone.run_id))
+    assert alone.pids and [pid for pid in alone.pids if pid_alive(pid)] == []
 
 
 @pytest.mark.e2e
@@ -161,7 +173,7 @@ def test_each_flower_round_matches_the_plain_algorithm_1_loop(name, runs):
     round differently from these formulas (measured: the final models differ by at most 2.4e-7,
     the losses by 4e-8 relative), so values agree to a tolerance, not bit for bit; other clients
     or rho = 0.4 instead of 0.5 miss by 1e-2 to 3e-2."""
-    rows, model = runs[name]
+    rows, model, _ = runs[name]
     expected_rows, expected_model = oracle(f"{JOBS[name]} {CONFIG}", [r["sampled_clients"] for r in rows[1:]])
     assert [r["round"] for r in rows] == [r["round"] for r in expected_rows]
     for got, want in zip(rows, expected_rows):

@@ -63,12 +63,18 @@ def test_the_serverapp_tells_the_engine_it_ended_only_when_no_client_can_still_b
     from fedact_app import server_app
     from fedact_app.serverapp_done import DONE_DIR_ENV
 
+    import flwr.common
+
+    logged = []  # (the message, whether the run's file existed when it was logged)
+    monkeypatch.setattr(flwr.common, "log", lambda level, fmt, *args: logged.append(
+        (fmt % args, sorted(path.name for path in tmp_path.iterdir()))))
     monkeypatch.setenv(DONE_DIR_ENV, str(tmp_path))
     for run_id, idle in ((7, True), (8, False)):
         monkeypatch.setattr(server_app, "run_app", lambda grid, context, idle=idle: SimpleNamespace(clients_idle=idle))
         server_app.main(None, SimpleNamespace(run_id=run_id))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["7"]
-    monkeypatch.delenv(DONE_DIR_ENV)  # outside an engine's runs: nothing is written
+    assert logged == [("ServerApp of run 7 ended: results written, no client working", [])]  # before the file
+    monkeypatch.delenv(DONE_DIR_ENV)  # outside an engine's runs: nothing is written or logged
     monkeypatch.setattr(server_app, "run_app", lambda grid, context: SimpleNamespace(clients_idle=True))
     server_app.main(None, SimpleNamespace(run_id=9))
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["7"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["7"] and len(logged) == 1

@@ -57,7 +57,7 @@ from fedact_app.cli import flwr
 from fedact_app.cli.flwr import LaunchError
 from fedact_app.cli.ray_cluster import RayCluster
 from fedact_app.cli.superlink import SimulationSuperLink
-from fedact_app.serverapp_done import DONE_DIR_ENV
+from fedact_app.serverapp_done import DONE_DIR_ENV, done_line
 
 STARTUP_TIMEOUT = 120.0  # seconds for the Ray cluster and the SuperLink to start
 OVERLAPPED_RUNS = 2  # a sweep's runs in flight on one shared Ray cluster: one computing, the last one shutting down
@@ -74,11 +74,12 @@ BASE_ENV = {
 
 @dataclass
 class RunResult:
-    """Outcome of one run, as reported by the SuperLink."""
+    """Outcome of one run, as reported by the SuperLink (with ``stop_at_end``, by its ServerApp's end)."""
 
     run_id: int
-    status: str  # as `flwr ls` reports it: "finished:completed", "finished:failed", "running", ...
-    completed: bool  # True only for "finished:completed"
+    status: str  # as `flwr ls` reports it: "finished:completed", "finished:failed", "running", ...; or
+    # "ended:completed" (flwr.ENDED) for a run its engine stopped once the ServerApp had ended (``stop_at_end``)
+    completed: bool  # True only for "finished:completed" and "ended:completed"
     log: str  # the run's log (ServerApp + simulation output), ANSI colours stripped
     seconds: float  # wall time of engine.run, less its wait for other runs (an engine's start included
     # when the run started it; run_simulation: the whole call, the SuperLink's stop included)
@@ -90,6 +91,14 @@ class RunResult:
     def tail(self, lines: int = 40) -> str:
         """Last ``lines`` lines of the log."""
         return "\n".join(self.log.splitlines()[-lines:])
+
+
+def serverapp_ended(done_dir: Path, run_id: int, log_path: Path) -> Callable[[], bool]:
+    """Whether the ServerApp of ``run_id`` has said that it ended (its file in ``done_dir``) and
+    the line it logged first has reached the run's log at ``log_path``, which then holds all that
+    the ServerApp logged (:mod:`fedact_app.serverapp_done`)."""
+    done_file, last_line = done_dir / str(run_id), done_line(run_id)
+    return lambda: done_file.exists() and last_line in flwr.read_log(log_path)
 
 
 def exit_on_termination() -> Callable[[], None]:
@@ -164,6 +173,7 @@ class LocalEngine:
         self._in_flight: dict[object, int | None] = {}  # a claim's token -> its run id once submitted
         self._restart = False
         self._closed = False
+        self._cut_short = False  # a run ended with stop_at_end: close kills its shutdown at once
         self._restore_signals: Callable[[], None] = lambda: None
 
     @classmethod
@@ -217,21 +227,23 @@ class LocalEngine:
         """Stop the SuperLink, the Ray cluster and everything they spawned; all pids seen."""
         with self._lock:  # not while a run starts the engine: it would start what nothing stops
             self._closed = True
-            self._stop_processes()
+            self._stop_processes(0.0 if self._cut_short else None)
         if self._own_home and self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
         return tuple(sorted(self.pids))
 
-    def _stop_processes(self) -> None:
+    def _stop_processes(self, grace: float | None = None) -> None:
+        """Stop the SuperLink's and the cluster's process trees (``grace``: seconds before SIGKILL;
+        None: each one's default, 0: SIGKILL at once)."""
         if self.control is not None:
             self.control.close()
             self.control = None
         if self.link is not None:
-            self.pids |= set(self.link.stop())
+            self.pids |= set(self.link.stop() if grace is None else self.link.stop(grace))
             self.link = None
         if self.ray is not None:
-            self.pids |= set(self.ray.stop())
+            self.pids |= set(self.ray.stop() if grace is None else self.ray.stop(grace))
             self.ray = None
 
     def _healthy(self) -> bool:
@@ -287,10 +299,19 @@ class LocalEngine:
         *,
         federation_config: Mapping[str, Any] | None = None,
         poll_interval: float = 0.5,
+        stop_at_end: bool = False,
     ) -> RunResult:
         """Submit one run of the Flower app in ``app_dir`` and wait for it (see
         :func:`fedact_app.cli.launch.run_simulation` for the parameters). LaunchError when the run
-        could not be submitted."""
+        could not be submitted.
+
+        ``stop_at_end``: return as soon as the ServerApp has said that it ended with its results
+        written and no client working, and its whole log has arrived
+        (:mod:`fedact_app.serverapp_done`), with status ``ended:completed``, instead of waiting
+        for Flower to shut the run down (3-4 s: its simulation threads' queue waits, the Ray
+        cluster's stop, a last wait for its log upload); ``close`` then kills what is left of the
+        run at once. For a run the engine is closed after (``run_simulation``'s). An app that
+        writes no such line is waited for as without it."""
         app_path = Path(app_dir).expanduser().resolve()
         if not (app_path / "pyproject.toml").is_file():
             raise ValueError(f"{app_path} has no pyproject.toml; not a Flower app directory")
@@ -305,14 +326,16 @@ class LocalEngine:
         token, t0 = self._claim()
         try:
             return self._run(token, app_path, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
-                             run_config, time.monotonic() + timeout, federation_config, poll_interval, t0)
+                             run_config, time.monotonic() + timeout, federation_config, poll_interval, t0,
+                             stop_at_end)
         finally:
             with self._lock:
                 del self._in_flight[token]
 
     def _run(self, token: object, app_path: Path, overrides: str, num_supernodes: int, num_cpus: int,
              num_gpus: float, run_config: Mapping[str, Any] | None, deadline: float,
-             federation_config: Mapping[str, Any] | None, poll_interval: float, t0: float) -> RunResult:
+             federation_config: Mapping[str, Any] | None, poll_interval: float, t0: float,
+             stop_at_end: bool) -> RunResult:
         link, home = self.link, self.home
         config = dict(run_config or {})
         if overrides:
@@ -340,10 +363,14 @@ class LocalEngine:
         run = flwr.follow_run(home, CONNECTION, run_id, log_path, deadline=deadline,
                               poll_interval=poll_interval, superlink_gone=gone,
                               status_of=control.run_status,
-                              open_stream=lambda: control.log_stream(run_id, log_path))
+                              open_stream=lambda: control.log_stream(run_id, log_path),
+                              ended=serverapp_ended(Path(self.env[DONE_DIR_ENV]), run_id, log_path)
+                              if stop_at_end else None)
         if run.timed_out:
             self._stop_run(run_id)
-        return RunResult(run_id=run_id, status=run.status, completed=run.status == "finished:completed",
+        if run.status == flwr.ENDED:
+            self._cut_short = True
+        return RunResult(run_id=run_id, status=run.status, completed=run.status in ("finished:completed", flwr.ENDED),
                          log=run.log, seconds=time.monotonic() - t0, details=run.details,
                          timed_out=run.timed_out, superlink_pid=link.pid)
 

@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 CLI_TIMEOUT = 60.0  # seconds for one short flwr CLI call (run / ls / register)
 BASE_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+ENDED = "ended:completed"  # follow_run's status for a run whose app said it ended (its `ended` argument)
+ENDED_DETAILS = "the ServerApp ended with its results written; Flower's shutdown of the run was not waited for"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -382,6 +384,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     superlink_gone: Callable[[], str | None] = lambda: None, stream_stderr: int = subprocess.DEVNULL,
     status_of: Callable[[int | str], tuple[str, str]] | None = None,
     open_stream: Callable[[], LogStream] | None = None,
+    ended: Callable[[], bool] | None = None,
 ) -> FollowedRun:
     """Follow a run until it finishes or ``deadline`` (``time.monotonic()``) passes, its log going to
     ``log_path``.
@@ -396,7 +399,10 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     :class:`CliLogStream`, its stderr to ``stream_stderr``; ``subprocess.STDOUT``: into the log); a
     local engine passes :class:`ControlClient`'s, cheap enough to ask every half second. A finished
     run whose log came back empty has its whole log streamed once more into ``log_path``. An
-    unfinished run's ``details`` also name why its log stream last broke, if it did.
+    unfinished run's ``details`` also name why its log stream last broke, if it did. ``ended()``
+    says whether the app has said that it ended with its results written and that ``log_path``
+    holds its whole log (:mod:`fedact_app.serverapp_done`); following then stops at once with
+    status :data:`ENDED`, without waiting for Flower to shut the run down.
     """
     if status_of is None:
         def status_of(run: int | str) -> tuple[str, str]:
@@ -414,36 +420,41 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
             if why is not None:
                 details = why
                 break
-            ended = streamer.ended()
-            if ended or time.monotonic() >= next_poll:
+            if ended is not None and ended():
+                status, details = ENDED, ENDED_DETAILS
+                break
+            stream_ended = streamer.ended()
+            if stream_ended or time.monotonic() >= next_poll:
                 status, details = status_of(run_id)
                 next_poll = time.monotonic() + poll_interval
                 if status.startswith("finished"):
                     break
-                if ended:
+                if stream_ended:
                     stream_error = streamer.error or stream_error
                     time.sleep(1.0)
                     streamer = open_stream()
                     continue
             time.sleep(0.25)
         finished = status.startswith("finished")
-        timed_out = not finished and time.monotonic() >= deadline
+        unfinished = not finished and status != ENDED
+        timed_out = unfinished and time.monotonic() >= deadline
         if finished:  # the server ends the stream right after the final log lines
             streamer.wait(max(1.0, min(30.0, deadline - time.monotonic() + 10)))
     finally:
         streamer.stop()
-    if not finished and stream_error:
+    if unfinished and stream_error:
         details = f"{details}; log stream: {stream_error}" if details else f"log stream: {stream_error}"
-    log = _read_log(log_path)
+    log = read_log(log_path)
     if finished and not log.strip():  # the stream died early: the finished run's whole log, once
         streamer = open_stream()
         try:
             streamer.wait(CLI_TIMEOUT)
         finally:
             streamer.stop()
-        log = _read_log(log_path)
+        log = read_log(log_path)
     return FollowedRun(status, details, strip_ansi(log), timed_out)
 
 
-def _read_log(path: Path) -> str:
+def read_log(path: Path) -> str:
+    """The log written to ``path`` so far ("" before there is one)."""
     return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""

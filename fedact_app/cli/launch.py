@@ -17,9 +17,13 @@ module avoids all of that:
 4. its log streamed the same way (what ``flwr log <run> --stream`` prints; Flower ends the stream
    when the run finishes), with the Control API's ``ListRuns`` (what ``flwr ls`` shows) as the
    source of truth for the status;
-5. in ``finally``: SIGTERM, then SIGKILL, for the SuperLink and every process it spawned
+5. the run reported ``ended:completed`` as soon as the FedACT ServerApp has said that it ended
+   with its results written and its last log line has arrived (:mod:`fedact_app.serverapp_done`),
+   not 3-4 s later when Flower has shut the run down (another app: Flower's status);
+6. in ``finally``: SIGTERM, then SIGKILL, for the SuperLink and every process it spawned
    (SuperExec, ``flwr-simulation``, the Ray cluster), also on errors, timeouts, Ctrl-C and
-   SIGTERM (turned into ``SystemExit`` while a run is in progress, main thread only).
+   SIGTERM (turned into ``SystemExit`` while a run is in progress, main thread only); SIGKILL at
+   once after an ``ended:completed`` run, whose shutdown holds nothing worth waiting for.
 
 One run is one :class:`fedact_app.cli.engine.LocalEngine` started and closed around it (its Ray
 cluster started inside the run, as Flower does); a sweep keeps one engine for all its jobs.
@@ -30,7 +34,7 @@ Python use::
     result = run_simulation(".", overrides="num_rounds=2", num_supernodes=3)
     assert result.completed, result.log
 
-Command line (exit code 0 only when the run finished with sub-status ``completed``)::
+Command line (exit code 0 only when the run ended or finished with sub-status ``completed``)::
 
     python -m fedact_app.cli.launch --app . --overrides "num_rounds=2" --num-supernodes 3
 """
@@ -100,7 +104,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     with engine:  # checks the arguments, then starts the SuperLink; stops it on the way out
         result = engine.run(app_dir, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
                             run_config, timeout, federation_config=federation_config,
-                            poll_interval=poll_interval)
+                            poll_interval=poll_interval, stop_at_end=True)
     result.pids = tuple(sorted(engine.pids))
     result.seconds = time.monotonic() - t0
     return result
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fedact_app.cli.launch",
         description="Run a Flower app on a private simulation SuperLink; exit 0 only if the "
-        "run finished with status completed.",
+        "run ended or finished with status completed.",
     )
     parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
     parser.add_argument("--overrides", default="", help="value of the app's `overrides` key")

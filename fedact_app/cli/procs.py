@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+KILLED_WAIT = 5.0  # seconds stop_tree waits for processes to go after SIGKILL when it has no grace
+
 
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` names a live process (zombies count as gone)."""
@@ -89,23 +91,28 @@ def stop_tree(proc: subprocess.Popen, seen: set[int], grace: float) -> tuple[int
 
     Daemons started under ``proc`` may live in their own process groups and outlive it. So:
     snapshot the tree (``seen`` may already hold processes noted earlier), SIGTERM ``proc`` (SIGKILL after ``grace`` seconds), then SIGTERM and
-    finally SIGKILL whatever of the tree, and of the tree's process groups, is left.
+    finally SIGKILL whatever of the tree, and of the tree's process groups, is left. With
+    ``grace`` 0 every process gets SIGKILL at once (nothing of theirs is worth waiting for), and
+    the call returns once they are gone (at most :data:`KILLED_WAIT` seconds).
     """
     if proc.poll() is None:  # (the pid of a process that has exited may be reused)
         seen |= descendants(proc.pid)
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+        if grace > 0:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
             seen |= descendants(proc.pid)
             proc.kill()
             proc.wait()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (signal.SIGTERM, signal.SIGKILL) if grace > 0 else (signal.SIGKILL,):
         if not _signal_leftovers(seen, sig):
             break
-        until = time.monotonic() + grace
+        until = time.monotonic() + (grace or KILLED_WAIT)
         while time.monotonic() < until and any(same_process(p) for p in seen):
-            time.sleep(0.1)
+            time.sleep(0.05)
     return tuple(sorted(seen | {proc.pid}))
 
 

@@ -93,8 +93,9 @@ class RayCluster:
         if self.alive():
             self.seen |= descendants(self.proc.pid)
 
-    def stop(self) -> tuple[int, ...]:
-        """Stop the cluster and its processes; remove its temporary directory."""
-        pids = stop_tree(self.proc, self.seen, STOP_GRACE)
+    def stop(self, grace: float = STOP_GRACE) -> tuple[int, ...]:
+        """Stop the cluster and its processes (``grace`` 0: SIGKILL at once); remove its temporary
+        directory."""
+        pids = stop_tree(self.proc, self.seen, grace)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         return pids
