@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -150,7 +151,7 @@ def test_completed_run(tiny_app: Path, user_flwr_home: Path, tmp_path: Path) -> 
         cwd=workdir,
     )
     assert result.completed, result.log
-    assert result.status == "finished:completed"
+    assert result.status == "finished:completed"  # Flower's: this app never says it ended (serverapp_done)
     assert not result.timed_out
     # 3 nodes answered, each with 1 + len("abc"): `env` reached the ClientApps.
     assert f"TINYAPP success nodes={NUM_NODES} total={4 * NUM_NODES}" in result.log
@@ -212,8 +213,8 @@ def test_rejected_run_raises_and_stops_superlink(
     stopped: list[tuple[int, ...]] = []
     real_stop = engine.SimulationSuperLink.stop
 
-    def spy(self: engine.SimulationSuperLink) -> tuple[int, ...]:
-        stopped.append(real_stop(self))
+    def spy(self: engine.SimulationSuperLink, *args: object) -> tuple[int, ...]:
+        stopped.append(real_stop(self, *args))
         return stopped[-1]
 
     monkeypatch.setattr(engine.SimulationSuperLink, "stop", spy)
@@ -261,15 +262,17 @@ def test_cli_run_config_values() -> None:
 
 
 class _FakeStream:
-    """A log stream that writes ``text`` into ``path`` and has ended at once, with ``error``."""
+    """A log stream that writes ``text`` into ``path`` and has ended at once, with ``error`` (or
+    stays open, ``live``)."""
 
-    def __init__(self, path: Path, text: str, error: str = "") -> None:
+    def __init__(self, path: Path, text: str, error: str = "", live: bool = False) -> None:
         path.write_text(text, encoding="utf-8")
         self.error = error
+        self.live = live
         self.stopped = False
 
     def ended(self) -> bool:
-        return True
+        return not self.live
 
     def wait(self, timeout: float) -> None:
         return None
@@ -305,23 +308,29 @@ def test_follow_run_reopens_a_broken_stream_and_names_why_when_the_run_does_not_
     assert len(streams) >= 2 and all(stream.stopped for stream in streams[-1:])
 
 
-def test_follow_run_stops_once_the_app_says_it_ended_without_waiting_for_flowers_status(tmp_path: Path) -> None:
-    log_path, calls = tmp_path / "run.log", []
+@pytest.mark.parametrize("live", [False, True], ids=["stream-reopened", "stream-open"])
+def test_follow_run_stops_once_the_app_says_it_ended_without_waiting_for_flowers_status(
+        tmp_path: Path, live: bool) -> None:
+    log_path, calls, streams = tmp_path / "run.log", [], []
 
-    def ended() -> bool:
+    def ended() -> str | None:
         calls.append(time.monotonic())
-        return len(calls) >= 3
+        return "\x1b[92mINFO\x1b[0m: the end\n" if len(calls) >= 3 else None
+
+    def open_stream() -> _FakeStream:  # a reopened stream starts its file again: not the log returned
+        streams.append(_FakeStream(log_path, "", live=live))
+        return streams[-1]
 
     run = flwr.follow_run(tmp_path, "c", 7, log_path, deadline=time.monotonic() + 30, poll_interval=0.1,
-                          status_of=lambda run_id: ("running", ""), ended=ended,
-                          open_stream=lambda: _FakeStream(log_path, "INFO: round 1\nINFO: the end\n"))
-    assert (run.status, run.details, run.timed_out) == (flwr.ENDED, flwr.ENDED_DETAILS, False)
-    assert run.log == "INFO: round 1\nINFO: the end\n" and len(calls) == 3
-    # an app that never says so: Flower's status, as without `ended`
+                          status_of=lambda run_id: ("running", ""), ended=ended, open_stream=open_stream)
+    assert (run.status, run.details, run.timed_out, run.finished) == (flwr.ENDED, flwr.ENDED_DETAILS, False, False)
+    assert run.log == "INFO: the end\n" and len(calls) == 3 and streams[-1].stopped
+    assert len(streams) == (1 if live else 3)
+    # an app that never says so: Flower's status and log, as without `ended`
     run = flwr.follow_run(tmp_path, "c", 7, log_path, deadline=time.monotonic() + 30, poll_interval=0.1,
-                          status_of=lambda run_id: ("finished:failed", "boom"), ended=lambda: False,
+                          status_of=lambda run_id: ("finished:failed", "boom"), ended=lambda: None,
                           open_stream=lambda: _FakeStream(log_path, "INFO: round 1\n"))
-    assert (run.status, run.details, run.timed_out) == ("finished:failed", "boom", False)
+    assert (run.status, run.details, run.timed_out, run.log) == ("finished:failed", "boom", False, "INFO: round 1\n")
 
 
 def test_a_serverapp_has_ended_once_its_file_is_written_and_its_line_has_reached_the_log(tmp_path: Path) -> None:
@@ -330,14 +339,17 @@ def test_a_serverapp_has_ended_once_its_file_is_written_and_its_line_has_reached
     log_path, done_dir = tmp_path / "run.log", tmp_path / "done"
     done_dir.mkdir()
     ended = engine.serverapp_ended(done_dir, 12, log_path)
-    assert not ended()  # neither
-    log_path.write_text(f"INFO: \x1b[92m{done_line(12)}\x1b[0m\n")
-    assert not ended()  # the line, not the file
-    (done_dir / "12").touch()
-    log_path.write_text(f"INFO: {done_line(1)}\nINFO: {done_line(123)}\n")
-    assert not ended()  # the file, and only other runs' lines
-    log_path.write_text(f"INFO: round 3\nINFO: {done_line(12)}\n")
-    assert ended()
+    assert ended() is None  # neither
+    log_path.write_text(f"INFO: \x1b[92m{done_line(12, 'a1')}\x1b[0m\n")
+    assert ended() is None  # the line, not the file
+    (done_dir / "12").write_text("")
+    assert ended() is None  # a file without its token
+    (done_dir / "12").write_text("a1")
+    log_path.write_text(f"INFO: {done_line(1, 'a1')}\nINFO: {done_line(123, 'a1')}\nINFO: {done_line(12, 'b2')}\n")
+    assert ended() is None  # the file, and only other runs' lines or another token (a line printed by a client)
+    log = f"INFO: round 3\nINFO: \x1b[92m{done_line(12, 'a1')}\x1b[0m\n"
+    log_path.write_text(log)
+    assert ended() == log
 
 
 def test_a_shared_cluster_engine_admits_a_run_once_the_others_ended_and_caps_the_runs_in_flight(
@@ -500,7 +512,8 @@ def test_stop_tree_kills_what_it_noted_and_spares_a_process_given_a_noted_pid_la
             proc.wait()
 
 
-def test_stop_tree_without_grace_kills_the_whole_tree_without_a_sigterm(tmp_path: Path) -> None:
+def test_stop_tree_without_grace_kills_the_whole_tree_without_a_sigterm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """grace 0 (a run whose ServerApp has ended): no process gets the SIGTERM it would handle,
     not even one in a session of its own, and all are gone when stop_tree returns."""
     from fedact_app.cli import procs
@@ -511,6 +524,9 @@ def test_stop_tree_without_grace_kills_the_whole_tree_without_a_sigterm(tmp_path
     daemon = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {handler!r}, "
               f"sys.argv[1] + '-child'], start_new_session=True); exec({handler!r})")
     root = subprocess.Popen([sys.executable, "-c", daemon, str(tmp_path / "root")])
+    sent = []  # every signal os.kill and os.killpg send, processes' handlers or not
+    for name in ("kill", "killpg"):
+        monkeypatch.setattr(os, name, lambda pid, sig, send=getattr(os, name): (sent.append(sig), send(pid, sig))[1])
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("*.ready"))) < 2 and time.monotonic() < deadline:
@@ -519,6 +535,7 @@ def test_stop_tree_without_grace_kills_the_whole_tree_without_a_sigterm(tmp_path
         pids = procs.stop_tree(root, set(), grace=0)
         assert len(tree) == 1 and set(tree) <= set(pids) and root.poll() is not None
         assert [p for p in pids if pid_alive(p)] == []
+        assert signal.SIGKILL in sent and signal.SIGTERM not in sent, sent
         assert sorted(p.name for p in tmp_path.iterdir()) == ["root-child.ready", "root.ready"], "SIGTERM sent"
     finally:
         for pid in procs.descendants(root.pid) if root.poll() is None else ():

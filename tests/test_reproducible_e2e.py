@@ -25,7 +25,6 @@ from fedact_app.train import batch_generator
 from fedact_app.cli.engine import LocalEngine
 from fedact_app.cli.flwr import ENDED
 from fedact_app.cli.launch import pid_alive, run_simulation
-from fedact_app.serverapp_done import done_line
 from fedact_app.tasks.base import build_task
 
 pytestmark = pytest.mark.timeout(1200)
@@ -48,6 +47,7 @@ def runs(tmp_path_factory) -> dict:
                         timeout=600)
         assert result.completed, f"{result.status} {result.details}\n{result.tail(60)}"
         (folder,) = list(output.iterdir())
+        assert (folder / "summary.json").is_file()  # the last file the ServerApp writes
         rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         return name, (rows, load_file(str(folder / "model.safetensors")), result)
 
@@ -82,7 +82,8 @@ def test_a_lone_run_ends_once_its_serverapp_has_and_leaves_no_process(runs):
     by then, are those of the engine's run above); a sweep job's engine waits for Flower."""
     alone, on_engine = runs["fedact-1"][2], runs["fedact-2"][2]
     assert (alone.status, on_engine.status) == (ENDED, "finished:completed")
-    assert alone.log.rstrip().endswith(done_line(alone.run_id))
+    summary = alone.log.index("INFO :      Done: final test accuracy")  # the ServerApp's last lines arrived
+    assert alone.log.index(f"ServerApp of run {alone.run_id} ended: results written", summary)
     assert alone.pids and [pid for pid in alone.pids if pid_alive(pid)] == []
 
 

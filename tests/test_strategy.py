@@ -61,9 +61,9 @@ def test_the_strategy_counts_messages_left_without_a_reply_and_is_idle_only_with
 
 def test_the_serverapp_tells_the_engine_it_ended_only_when_no_client_can_still_be_working(tmp_path, monkeypatch):
     from fedact_app import server_app
-    from fedact_app.serverapp_done import DONE_DIR_ENV
-
     import flwr.common
+
+    from fedact_app.serverapp_done import DONE_DIR_ENV, done_line
 
     logged = []  # (the message, whether the run's file existed when it was logged)
     monkeypatch.setattr(flwr.common, "log", lambda level, fmt, *args: logged.append(
@@ -73,7 +73,9 @@ def test_the_serverapp_tells_the_engine_it_ended_only_when_no_client_can_still_b
         monkeypatch.setattr(server_app, "run_app", lambda grid, context, idle=idle: SimpleNamespace(clients_idle=idle))
         server_app.main(None, SimpleNamespace(run_id=run_id))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["7"]
-    assert logged == [("ServerApp of run 7 ended: results written, no client working", [])]  # before the file
+    token = (tmp_path / "7").read_text()
+    assert len(token) == 16 and logged == [(done_line(7, token), [])]  # the line first, then the file
+    assert done_line(7, token) == f"ServerApp of run 7 ended: results written, no client working ({token})"
     monkeypatch.delenv(DONE_DIR_ENV)  # outside an engine's runs: nothing is written or logged
     monkeypatch.setattr(server_app, "run_app", lambda grid, context: SimpleNamespace(clients_idle=True))
     server_app.main(None, SimpleNamespace(run_id=9))

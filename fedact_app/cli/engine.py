@@ -93,12 +93,23 @@ class RunResult:
         return "\n".join(self.log.splitlines()[-lines:])
 
 
-def serverapp_ended(done_dir: Path, run_id: int, log_path: Path) -> Callable[[], bool]:
-    """Whether the ServerApp of ``run_id`` has said that it ended (its file in ``done_dir``) and
-    the line it logged first has reached the run's log at ``log_path``, which then holds all that
-    the ServerApp logged (:mod:`fedact_app.serverapp_done`)."""
-    done_file, last_line = done_dir / str(run_id), done_line(run_id)
-    return lambda: done_file.exists() and last_line in flwr.read_log(log_path)
+def serverapp_ended(done_dir: Path, run_id: int, log_path: Path) -> Callable[[], str | None]:
+    """The run's log at ``log_path`` once the ServerApp of ``run_id`` has said that it ended (its
+    file in ``done_dir``) and the line it logged first, with the file's token, is in that log,
+    which then holds all that the ServerApp logged before (:mod:`fedact_app.serverapp_done`; the
+    clients' output reaches the log through Ray, and a client's last lines may still be on their
+    way); None until then."""
+    done_file = done_dir / str(run_id)
+
+    def ended() -> str | None:
+        try:
+            token = done_file.read_text()
+        except OSError:  # not written yet
+            return None
+        log = flwr.read_log(log_path)
+        return log if token and done_line(run_id, token) in log else None
+
+    return ended
 
 
 def exit_on_termination() -> Callable[[], None]:
@@ -151,8 +162,8 @@ class LocalEngine:
     flwr_home: FLWR_HOME to use (kept afterwards); default: a temporary one, deleted by ``close``.
     """
 
-    def __init__(self, *, max_parallel: int = 1, shared_ray: bool | None = None, num_cpus: int | None = None, num_gpus: float | None = None,
-                 env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+    def __init__(self, *, max_parallel: int = 1, shared_ray: bool | None = None, num_cpus: int | None = None,
+                 num_gpus: float | None = None, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
                  flwr_home: str | Path | None = None) -> None:
         if int(max_parallel) < 1:
             raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
@@ -173,7 +184,7 @@ class LocalEngine:
         self._in_flight: dict[object, int | None] = {}  # a claim's token -> its run id once submitted
         self._restart = False
         self._closed = False
-        self._cut_short = False  # a run ended with stop_at_end: close kills its shutdown at once
+        self._cut_short = False  # the last run ended with stop_at_end: close kills its shutdown at once
         self._restore_signals: Callable[[], None] = lambda: None
 
     @classmethod
@@ -227,23 +238,23 @@ class LocalEngine:
         """Stop the SuperLink, the Ray cluster and everything they spawned; all pids seen."""
         with self._lock:  # not while a run starts the engine: it would start what nothing stops
             self._closed = True
-            self._stop_processes(0.0 if self._cut_short else None)
+            self._stop_processes(kill_at_once=self._cut_short)
         if self._own_home and self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
         return tuple(sorted(self.pids))
 
-    def _stop_processes(self, grace: float | None = None) -> None:
-        """Stop the SuperLink's and the cluster's process trees (``grace``: seconds before SIGKILL;
-        None: each one's default, 0: SIGKILL at once)."""
+    def _stop_processes(self, kill_at_once: bool = False) -> None:
+        """Stop the SuperLink's and the cluster's process trees (SIGTERM first, unless
+        ``kill_at_once``)."""
         if self.control is not None:
             self.control.close()
             self.control = None
         if self.link is not None:
-            self.pids |= set(self.link.stop() if grace is None else self.link.stop(grace))
+            self.pids |= set(self.link.stop(kill_at_once))
             self.link = None
         if self.ray is not None:
-            self.pids |= set(self.ray.stop() if grace is None else self.ray.stop(grace))
+            self.pids |= set(self.ray.stop(kill_at_once))
             self.ray = None
 
     def _healthy(self) -> bool:
@@ -274,6 +285,7 @@ class LocalEngine:
                     self.shared_ray and self._in_flight and self._computing())
                 if not waiting_on_others:
                     granted = time.monotonic()
+                    self._cut_short = False  # a run after it: close stops that one gracefully
                     if self._healthy():
                         self._in_flight[token] = None
                         return token, granted

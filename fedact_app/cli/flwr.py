@@ -384,7 +384,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     superlink_gone: Callable[[], str | None] = lambda: None, stream_stderr: int = subprocess.DEVNULL,
     status_of: Callable[[int | str], tuple[str, str]] | None = None,
     open_stream: Callable[[], LogStream] | None = None,
-    ended: Callable[[], bool] | None = None,
+    ended: Callable[[], str | None] | None = None,
 ) -> FollowedRun:
     """Follow a run until it finishes or ``deadline`` (``time.monotonic()``) passes, its log going to
     ``log_path``.
@@ -400,9 +400,10 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
     local engine passes :class:`ControlClient`'s, cheap enough to ask every half second. A finished
     run whose log came back empty has its whole log streamed once more into ``log_path``. An
     unfinished run's ``details`` also name why its log stream last broke, if it did. ``ended()``
-    says whether the app has said that it ended with its results written and that ``log_path``
-    holds its whole log (:mod:`fedact_app.serverapp_done`); following then stops at once with
-    status :data:`ENDED`, without waiting for Flower to shut the run down.
+    gives the run's log once the app has said that it ended with its results written and the log
+    holds all that the app logged before (:mod:`fedact_app.serverapp_done`), None until then;
+    following then stops at once with status :data:`ENDED` and that log, without waiting for
+    Flower to shut the run down.
     """
     if status_of is None:
         def status_of(run: int | str) -> tuple[str, str]:
@@ -412,7 +413,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
             return CliLogStream(home, connection, run_id, log_path, env=env, stderr=stream_stderr)
 
     streamer = open_stream()
-    status, details, stream_error = "unknown", "", ""
+    status, details, stream_error, ended_log = "unknown", "", "", None
     try:
         next_poll = time.monotonic() + poll_interval
         while time.monotonic() < deadline:
@@ -420,8 +421,8 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
             if why is not None:
                 details = why
                 break
-            if ended is not None and ended():
-                status, details = ENDED, ENDED_DETAILS
+            if ended is not None and (ended_log := ended()) is not None:
+                status, details = ENDED, ENDED_DETAILS  # (its log: what ended() read, not a stream reopened since)
                 break
             stream_ended = streamer.ended()
             if stream_ended or time.monotonic() >= next_poll:
@@ -444,7 +445,7 @@ def follow_run(  # noqa: PLR0913 - the caller's connection, files and clocks
         streamer.stop()
     if unfinished and stream_error:
         details = f"{details}; log stream: {stream_error}" if details else f"log stream: {stream_error}"
-    log = read_log(log_path)
+    log = read_log(log_path) if ended_log is None else ended_log
     if finished and not log.strip():  # the stream died early: the finished run's whole log, once
         streamer = open_stream()
         try:

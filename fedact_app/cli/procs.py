@@ -90,10 +90,11 @@ def stop_tree(proc: subprocess.Popen, seen: set[int], grace: float) -> tuple[int
     """Stop ``proc`` and every process it spawned; return all pids seen (``seen`` is updated).
 
     Daemons started under ``proc`` may live in their own process groups and outlive it. So:
-    snapshot the tree (``seen`` may already hold processes noted earlier), SIGTERM ``proc`` (SIGKILL after ``grace`` seconds), then SIGTERM and
-    finally SIGKILL whatever of the tree, and of the tree's process groups, is left. With
-    ``grace`` 0 every process gets SIGKILL at once (nothing of theirs is worth waiting for), and
-    the call returns once they are gone (at most :data:`KILLED_WAIT` seconds).
+    snapshot the tree (``seen`` may already hold processes noted earlier), SIGTERM ``proc``
+    (SIGKILL after ``grace`` seconds), then SIGTERM and finally SIGKILL whatever of the tree, and
+    of the tree's process groups, is left. With ``grace`` 0 every process gets SIGKILL only
+    (nothing of theirs is worth waiting for), and the call returns once they are gone (at most
+    :data:`KILLED_WAIT` seconds).
     """
     if proc.poll() is None:  # (the pid of a process that has exited may be reused)
         seen |= descendants(proc.pid)
@@ -107,12 +108,17 @@ def stop_tree(proc: subprocess.Popen, seen: set[int], grace: float) -> tuple[int
             seen |= descendants(proc.pid)
             proc.kill()
             proc.wait()
-    for sig in (signal.SIGTERM, signal.SIGKILL) if grace > 0 else (signal.SIGKILL,):
-        if not _signal_leftovers(seen, sig):
-            break
-        until = time.monotonic() + (grace or KILLED_WAIT)
-        while time.monotonic() < until and any(same_process(p) for p in seen):
-            time.sleep(0.05)
+    if grace > 0:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not _signal_leftovers(seen, sig):
+                break
+            until = time.monotonic() + grace
+            while time.monotonic() < until and any(same_process(p) for p in seen):
+                time.sleep(0.1)
+    else:  # again until none is left: one may fork between a snapshot and its parent's kill
+        until = time.monotonic() + KILLED_WAIT
+        while _signal_leftovers(seen, signal.SIGKILL) and time.monotonic() < until:
+            time.sleep(0.02)
     return tuple(sorted(seen | {proc.pid}))
 
 

@@ -93,9 +93,9 @@ class RayCluster:
         if self.alive():
             self.seen |= descendants(self.proc.pid)
 
-    def stop(self, grace: float = STOP_GRACE) -> tuple[int, ...]:
-        """Stop the cluster and its processes (``grace`` 0: SIGKILL at once); remove its temporary
-        directory."""
-        pids = stop_tree(self.proc, self.seen, grace)
+    def stop(self, kill_at_once: bool = False) -> tuple[int, ...]:
+        """Stop the cluster and its processes (``kill_at_once``: SIGKILL only); remove its
+        temporary directory."""
+        pids = stop_tree(self.proc, self.seen, 0.0 if kill_at_once else STOP_GRACE)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         return pids

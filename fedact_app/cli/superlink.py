@@ -95,11 +95,11 @@ class SimulationSuperLink:
         if self.proc.poll() is None:
             self.seen |= descendants(self.pid)
 
-    def stop(self, grace: float = STOP_GRACE) -> tuple[int, ...]:
+    def stop(self, kill_at_once: bool = False) -> tuple[int, ...]:
         """Stop the SuperLink and everything it spawned; return all pids seen.
 
         SIGTERM to the SuperLink lets it stop its SuperExec, but a ``flwr-simulation`` process
         and its Ray cluster (own process group, under the SuperExec) survive it; so the whole tree
-        is stopped (:func:`fedact_app.cli.procs.stop_tree`; ``grace`` 0: SIGKILL at once).
+        is stopped (:func:`fedact_app.cli.procs.stop_tree`; ``kill_at_once``: SIGKILL only).
         """
-        return stop_tree(self.proc, self.seen, grace)
+        return stop_tree(self.proc, self.seen, 0.0 if kill_at_once else STOP_GRACE)
