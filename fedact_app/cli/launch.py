@@ -16,7 +16,7 @@ module avoids all of that:
    (``fedact_app.cli.flwr.ControlClient``);
 4. its log streamed the same way (what ``flwr log <run> --stream`` prints; Flower ends the stream
    when the run finishes), with the Control API's ``ListRuns`` (what ``flwr ls`` shows) as the
-   source of truth for the status;
+   source of the status, except:
 5. the run reported ``ended:completed`` as soon as the FedACT ServerApp has said that it ended
    with its results written and its last log line has arrived (:mod:`fedact_app.serverapp_done`),
    not 3-4 s later when Flower has shut the run down (another app: Flower's status);
