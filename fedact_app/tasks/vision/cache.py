@@ -17,7 +17,7 @@ import threading
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -73,17 +73,16 @@ def read_cache_folder(path: Path | None, names: Sequence[str]) -> dict[str, np.n
         return None
 
 
-def write_cache_folder(path: Path, **arrays: np.ndarray) -> OSError | None:
-    """Store each array as ``<path>/<name>.npy``: written into a new folder that then takes the
-    place of ``path`` (replacing a damaged one); the error where that fails (nothing is left
-    behind). Call it holding :func:`exclusive` for ``path``."""
+def write_cache_folder(path: Path, fill: Callable[[Path], None]) -> OSError | None:
+    """The folder ``path``: ``fill(folder)`` writes its ``.npy`` files into a new folder that
+    then takes the place of ``path`` (replacing a damaged one); the error where that fails
+    (nothing is left behind). Call it holding :func:`exclusive` for ``path``."""
     for left in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):  # from writers that were killed
         shutil.rmtree(left, ignore_errors=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
         partial.mkdir(parents=True)
-        for name, array in arrays.items():
-            np.save(partial / f"{name}.npy", array)
+        fill(partial)
         if path.exists():
             shutil.rmtree(path)
         os.rename(partial, path)
@@ -91,6 +90,27 @@ def write_cache_folder(path: Path, **arrays: np.ndarray) -> OSError | None:
         shutil.rmtree(partial, ignore_errors=True)
         return exc
     return None
+
+
+def write_npy_rows(path: Path, dtype: np.dtype, shape: tuple[int, ...], blocks: Iterable[np.ndarray]) -> None:
+    """Write the ``.npy`` file of an array of ``shape`` and ``dtype`` from its consecutive blocks
+    of rows, one at a time (the file ``np.load`` reads as their concatenation), so that the whole
+    array is never in memory. Plain writes, not a writable memory map: a full disk or a quota then
+    raises OSError instead of killing the process with SIGBUS. ValueError when the blocks do not
+    make up exactly ``shape``."""
+    dtype = np.dtype(dtype)
+    rows = 0
+    with open(path, "wb") as file:
+        np.lib.format.write_array_header_1_0(
+            file, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)})
+        for block in blocks:
+            block = np.ascontiguousarray(block, dtype=dtype)
+            if block.shape[1:] != tuple(shape[1:]):
+                raise ValueError(f"a block of rows {block.shape[1:]} for an array of rows {tuple(shape[1:])}")
+            file.write(block.reshape(-1).view(np.uint8))  # its bytes, without a copy
+            rows += len(block)
+    if rows != shape[0]:
+        raise ValueError(f"{rows} rows written to {path} for an array of {shape[0]}")
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ project's 2-core machines: 0.17 s a 3,000-image partition, 0.65 s the test split
 each Ray actor decodes again every partition it serves, in a deployment each message's ClientApp
 its own. Instead, the first process to read a dataset decodes both splits whole, to uint8 pixels
 at ``dataset.channels`` and ``dataset.image_size``, and keeps them in ``$FEDACT_CACHE_DIR/decoded``
-(:mod:`.cache`); later processes map the files into memory, read only the rows they select and do
+(:mod:`.cache`; written a block of rows at a time, so that its memory does not grow with the data
+set); later processes map the files into memory, read only the rows they select and do
 not import ``datasets`` for them. Processes that miss the entry at once wait for the first one's
 decode (a file lock). The pixels, and so every tensor made from them, are those of a process that
 decodes its rows itself.
@@ -41,12 +42,14 @@ import numpy as np
 import PIL
 
 from fedact_app.config import DatasetConfig
-from fedact_app.tasks.vision.cache import CACHE_ENV, cache_folder, exclusive, read_cache_folder, write_cache_folder
+from fedact_app.tasks.vision.cache import (
+    CACHE_ENV, cache_folder, exclusive, read_cache_folder, write_cache_folder, write_npy_rows,
+)
 from fedact_app.tasks.vision.splits import (
     ArraySplit, Split, check_labels, labels_of, load_splits, local_columns, local_data_files, resolve_path,
     split_files,
 )
-from fedact_app.tasks.vision.tensors import image_pixels
+from fedact_app.tasks.vision.tensors import image_chunks
 
 DECODED_FORMAT = 1  # raise it whenever the stored arrays are made differently
 STORED = ("train", "test")  # the prefixes of an entry's files: train_images.npy, train_labels.npy, ...
@@ -143,11 +146,11 @@ def _splits(arrays: dict[str, np.ndarray]) -> tuple[ArraySplit, ArraySplit]:
 
 
 def _decode_and_store(path: Path, cfg: DatasetConfig, data_dir: str | None, seed: int) -> tuple[Split, Split]:
-    """Both splits read by :func:`~.splits.load_splits`, decoded whole and stored at ``path``,
-    then read back from there (mapped, not held in this process's memory); first the entries of
-    the same source's other states are removed. With a note next to ``path``: the splits as loaded
-    where their image column holds arrays rather than images or the disk lacks the room, and the
-    decoded pixels (in memory) where the write fails."""
+    """Both splits read by :func:`~.splits.load_splits`, decoded whole into files at ``path`` a
+    block of rows at a time (this process never holds a whole split's pixels), then read back from
+    there (mapped); first the entries of the same source's other states are removed. With a note
+    next to ``path``, the splits as loaded: where their image column holds arrays rather than
+    images, the disk lacks the room or the write fails."""
     loaded = load_splits(cfg, data_dir, seed)
     _remove_other_states(path, cfg)
     needed = sum(len(split) for split in loaded) * (cfg.channels * cfg.image_size ** 2 + 8)  # + the int64 label
@@ -156,18 +159,22 @@ def _decode_and_store(path: Path, cfg: DatasetConfig, data_dir: str | None, seed
         _not_written(path, cfg, f"it needs {needed / 2**20:.0f} MiB and {path.parent} has {free / 2**20:.0f} "
                      f"MiB free, of which {SPARE_BYTES // 2**20} MiB are kept spare")
         return loaded
-    decoded = {}
-    for name, split in zip(STORED, loaded):
-        pixels = image_pixels(split, cfg)
-        if pixels is None:
-            _write_note(path, ".arrays", "the image column holds arrays, not images")
-            return loaded
-        decoded.update({f"{name}_images": pixels, f"{name}_labels": labels_of(split).astype(np.int64)})
-    error = write_cache_folder(path, **decoded)
+    pixels = [image_chunks(split, cfg) for split in loaded]
+    if any(chunks is None for chunks in pixels):
+        _write_note(path, ".arrays", "the image column holds arrays, not images")
+        return loaded
+
+    def fill(folder: Path) -> None:
+        for name, split, chunks in zip(STORED, loaded, pixels):
+            write_npy_rows(folder / f"{name}_images.npy", np.uint8,
+                           (len(split), cfg.channels, cfg.image_size, cfg.image_size), chunks)
+            np.save(folder / f"{name}_labels.npy", labels_of(split).astype(np.int64))
+
+    error = write_cache_folder(path, fill)
     stored = None if error else _read(path, cfg)
     if stored is None:
         _not_written(path, cfg, str(error or "it cannot be read back"))
-        return _splits(decoded)
+        return loaded
     return stored
 
 

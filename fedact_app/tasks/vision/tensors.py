@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,8 @@ from fedact_app.tasks.vision.splits import IMAGE, ArraySplit, Split, labels_of
 
 if TYPE_CHECKING:
     import datasets
+
+CHUNK_ROWS = 1024  # images decoded at a time (PIL's work per block; the memory a writer of the blocks holds)
 
 
 @dataclass
@@ -60,6 +63,17 @@ def image_pixels(ds: datasets.Dataset, cfg: DatasetConfig) -> np.ndarray | None:
     """A split's image column decoded to uint8 pixels (N, C, S, S) of ``cfg.channels`` at
     ``cfg.image_size`` (mode converted, resized with PIL's bilinear filter where the size differs);
     None when the column holds arrays rather than images."""
+    chunks = image_chunks(ds, cfg)
+    if chunks is None:
+        return None
+    none = np.empty((0, cfg.channels, cfg.image_size, cfg.image_size), dtype=np.uint8)  # (a split without rows)
+    return np.concatenate([none, *chunks])
+
+
+def image_chunks(ds: datasets.Dataset, cfg: DatasetConfig) -> Iterator[np.ndarray] | None:
+    """:func:`image_pixels` as consecutive blocks of at most :data:`CHUNK_ROWS` rows, decoded one
+    at a time as they are taken (a caller writing them out holds one block); None when the column
+    holds arrays rather than images."""
     import datasets
 
     feature = ds.features[IMAGE]
@@ -68,10 +82,7 @@ def image_pixels(ds: datasets.Dataset, cfg: DatasetConfig) -> np.ndarray | None:
         feature = ds.features[IMAGE]
     if not isinstance(feature, datasets.Image):
         return None
-    chunks = [_pil_pixels(batch[IMAGE], cfg) for batch in ds.select_columns([IMAGE]).iter(batch_size=1024)]
-    if not chunks:
-        return np.empty((0, cfg.channels, cfg.image_size, cfg.image_size), dtype=np.uint8)
-    return np.concatenate(chunks)
+    return (_pil_pixels(batch[IMAGE], cfg) for batch in ds.select_columns([IMAGE]).iter(batch_size=CHUNK_ROWS))
 
 
 def _array_images(arrays: Any, cfg: DatasetConfig) -> Tensor:
