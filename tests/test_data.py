@@ -8,10 +8,12 @@ and image folders with the hub layouts' exact column and split names.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import shutil
 import time
+import tracemalloc
 import warnings
 
 import numpy as np
@@ -573,26 +575,57 @@ def assert_later_processes_read_the_files(cfg: DatasetConfig, monkeypatch) -> No
 
 
 def test_an_entry_that_cannot_be_written_is_noted_and_the_files_are_read_as_they_are(tmp_path, monkeypatch):
-    import errno
-
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(image_tensors, "CHUNK_ROWS", 4)
     cfg = fmnist_like(tmp_path / "fmnist")
-    write_npy_rows = cache.write_npy_rows
+    real_open, written = open, []
 
-    def quota_after_a_block(path, dtype, shape, blocks):  # the quota runs out after some of the pixels
-        def then_full():
-            yield next(iter(blocks))
-            raise OSError(errno.EDQUOT, "Disk quota exceeded")
-        write_npy_rows(path, dtype, shape, then_full())
+    class QuotaAfterTwoBlocks:  # the train pixels' file: the quota runs out at its third block
+        def __init__(self, path, mode):
+            self.file = real_open(path, mode)
+            self.fileno = self.file.fileno  # (the lock file's flock)
 
-    monkeypatch.setattr(decoded, "write_npy_rows", quota_after_a_block)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            written.append(len(data))
+            if len(written) == 4:  # the header, two blocks, then the third
+                raise OSError(errno.EDQUOT, "Disk quota exceeded")
+            return self.file.write(data)
+
+    monkeypatch.setattr(cache, "open", QuotaAfterTwoBlocks, raising=False)
     warning = r"cannot be written \(\[Errno \d+\] Disk quota exceeded\).*delete .*\.unwritable"
     with pytest.warns(RuntimeWarning, match=warning) as record:
         train, test = decoded.decoded_splits(cfg, None, 0)
     assert record[0].filename == __file__  # (the caller of decoded_splits)
-    assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (30, 6)
+    assert isinstance(train, datasets.Dataset) and (len(train), len(test)) == (30, 6) and len(written) == 4
     assert [p.name for p in (tmp_path / "cache" / "decoded").iterdir() if p.is_dir()] == []  # no partial left
+    expected = (fmnist_like_pixels(6, seed=1) / 255.0 - 0.286) / 0.353
+    assert torch.allclose(to_image_tensors(test, cfg).images[:, 0], torch.from_numpy(expected).float(), atol=1e-5)
+    monkeypatch.undo()
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     assert_later_processes_read_the_files(cfg, monkeypatch)
+
+
+def test_an_image_that_cannot_be_decoded_fails_as_without_the_cache(tmp_path, monkeypatch):
+    """PIL's error for a damaged file is an OSError, like a failed write's; it is raised as it is,
+    with no note and nothing of the entry left."""
+    from PIL import UnidentifiedImageError
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = image_folder(tmp_path / "images")
+    (tmp_path / "images" / "train" / "cat" / "1.png").write_bytes(b"not a png")
+    with pytest.raises(UnidentifiedImageError):
+        decoded.decoded_splits(cfg, None, 0)
+    assert not (tmp_path / "cache" / "decoded").exists() or [
+        p.name for p in (tmp_path / "cache" / "decoded").iterdir() if not p.name.endswith(".lock")] == []
+    monkeypatch.setenv(cache.CACHE_ENV, "")
+    with pytest.raises(UnidentifiedImageError):  # (without the cache: the same error)
+        to_image_tensors(decoded.decoded_splits(cfg, None, 0)[0], cfg)
 
 
 def test_the_first_process_never_holds_a_whole_split_of_pixels(tmp_path, monkeypatch):
@@ -601,8 +634,6 @@ def test_the_first_process_never_holds_a_whole_split_of_pixels(tmp_path, monkeyp
     included, traced while it decodes and reads back 3,000 images of 2.35 MB (blocks of 50 images;
     loading the files, Hugging Face datasets and Arrow, is done before): the code before, holding
     the decoded blocks and then their concatenation, peaked at twice that."""
-    import tracemalloc
-
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(image_tensors, "CHUNK_ROWS", 50)
     root = tmp_path / "many"
@@ -623,15 +654,37 @@ def test_the_first_process_never_holds_a_whole_split_of_pixels(tmp_path, monkeyp
     assert peak < 3000 * 28 * 28 / 2, f"{peak} bytes traced at the peak"
 
 
-def test_npy_rows_written_block_by_block_load_as_their_concatenation(tmp_path):
-    blocks = [np.arange(i * 12, (i + 1) * 12, dtype=np.int64).reshape(2, 3, 2) for i in range(3)] + [
-        np.empty((0, 3, 2), dtype=np.int64)]
-    cache.write_npy_rows(tmp_path / "a.npy", np.int64, (6, 3, 2), iter(blocks))
-    assert np.array_equal(np.load(tmp_path / "a.npy", mmap_mode="r"), np.concatenate(blocks))
-    with pytest.raises(ValueError, match="4 rows written .* of 6"):
-        cache.write_npy_rows(tmp_path / "b.npy", np.int64, (6, 3, 2), iter(blocks[:2]))
-    with pytest.raises(ValueError, match=r"a block of rows \(3, 3\)"):
-        cache.write_npy_rows(tmp_path / "c.npy", np.int64, (6, 3, 2), [np.zeros((6, 3, 3), dtype=np.int64)])
+@pytest.mark.parametrize("dtype, shape, rows", [(np.int64, (3, 2), (2, 2, 0, 2)), (np.uint8, (1, 28, 28), (1024, 3)),
+                                               (np.uint8, (3, 4, 4), ())])
+def test_npy_rows_written_block_by_block_are_the_file_np_save_writes(tmp_path, dtype, shape, rows):
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, 200, (n, *shape)).astype(dtype) for n in rows]
+    whole = np.concatenate([np.empty((0, *shape), dtype=dtype), *blocks])
+    cache.write_npy_rows(tmp_path / "a.npy", dtype, whole.shape, iter(blocks))
+    np.save(tmp_path / "b.npy", whole)
+    assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
+    assert np.array_equal(np.load(tmp_path / "a.npy", mmap_mode="r"), whole)
+
+
+def test_a_cache_folder_whose_filling_fails_leaves_nothing(tmp_path):
+    def fill(folder, error):
+        np.save(folder / "a.npy", np.zeros(3))
+        raise error
+
+    assert isinstance(cache.write_cache_folder(tmp_path / "e", lambda f: fill(f, OSError("full"))), OSError)
+    with pytest.raises(ValueError, match="a bug"):
+        cache.write_cache_folder(tmp_path / "e", lambda f: fill(f, ValueError("a bug")))
+    assert list(tmp_path.iterdir()) == []
+    assert cache.write_cache_folder(tmp_path / "e", lambda f: np.save(f / "a.npy", np.ones(2))) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["e"] and np.load(tmp_path / "e" / "a.npy").tolist() == [1, 1]
+
+
+def test_npy_rows_refuse_blocks_that_do_not_make_up_the_array(tmp_path):
+    block = np.zeros((2, 3), dtype=np.int64)
+    for blocks, message in (([block], "2 rows written .* of 3"), ([block.astype(np.int32)], "int32"),
+                            ([np.zeros((2, 4), dtype=np.int64)], r"\(2, 4\)"), ([block, block], "after 2 rows")):
+        with pytest.raises(ValueError, match=message):
+            cache.write_npy_rows(tmp_path / "a.npy", np.int64, (3, 3), blocks)
 
 
 def test_processes_waiting_on_the_lock_find_the_note_of_a_failed_write(tmp_path, monkeypatch):

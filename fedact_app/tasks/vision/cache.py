@@ -17,9 +17,10 @@ import threading
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 CACHE_ENV = "FEDACT_CACHE_DIR"
 
@@ -75,8 +76,9 @@ def read_cache_folder(path: Path | None, names: Sequence[str]) -> dict[str, np.n
 
 def write_cache_folder(path: Path, fill: Callable[[Path], None]) -> OSError | None:
     """The folder ``path``: ``fill(folder)`` writes its ``.npy`` files into a new folder that
-    then takes the place of ``path`` (replacing a damaged one); the error where that fails
-    (nothing is left behind). Call it holding :func:`exclusive` for ``path``."""
+    then takes the place of ``path`` (replacing a damaged one); the OSError where that fails
+    (nothing is left behind; any other exception of ``fill`` is raised, nothing left behind
+    either). Call it holding :func:`exclusive` for ``path``."""
     for left in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):  # from writers that were killed
         shutil.rmtree(left, ignore_errors=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
@@ -89,25 +91,28 @@ def write_cache_folder(path: Path, fill: Callable[[Path], None]) -> OSError | No
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
         return exc
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return None
 
 
-def write_npy_rows(path: Path, dtype: np.dtype, shape: tuple[int, ...], blocks: Iterable[np.ndarray]) -> None:
+def write_npy_rows(path: Path, dtype: npt.DTypeLike, shape: tuple[int, ...], blocks: Iterable[np.ndarray]) -> None:
     """Write the ``.npy`` file of an array of ``shape`` and ``dtype`` from its consecutive blocks
-    of rows, one at a time (the file ``np.load`` reads as their concatenation), so that the whole
-    array is never in memory. Plain writes, not a writable memory map: a full disk or a quota then
-    raises OSError instead of killing the process with SIGBUS. ValueError when the blocks do not
-    make up exactly ``shape``."""
-    dtype = np.dtype(dtype)
+    of rows, one at a time (the file ``np.save`` writes for their concatenation), so that the
+    whole array is never in memory. Plain writes, not a writable memory map: a full disk or a
+    quota then raises OSError instead of killing the process with SIGBUS. ValueError when a block
+    has another dtype or row shape, or the blocks do not make up exactly ``shape``."""
+    dtype, shape = np.dtype(dtype), tuple(shape)
     rows = 0
     with open(path, "wb") as file:
         np.lib.format.write_array_header_1_0(
-            file, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)})
+            file, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
         for block in blocks:
-            block = np.ascontiguousarray(block, dtype=dtype)
-            if block.shape[1:] != tuple(shape[1:]):
-                raise ValueError(f"a block of rows {block.shape[1:]} for an array of rows {tuple(shape[1:])}")
-            file.write(block.reshape(-1).view(np.uint8))  # its bytes, without a copy
+            if block.dtype != dtype or block.shape[1:] != shape[1:] or rows + len(block) > shape[0]:
+                raise ValueError(f"a block {block.dtype} {block.shape} after {rows} rows, for an array "
+                                 f"{dtype} {shape}")
+            file.write(np.ascontiguousarray(block).reshape(-1).view(np.uint8))  # its bytes
             rows += len(block)
     if rows != shape[0]:
         raise ValueError(f"{rows} rows written to {path} for an array of {shape[0]}")

@@ -35,6 +35,7 @@ import hashlib
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -167,15 +168,31 @@ def _decode_and_store(path: Path, cfg: DatasetConfig, data_dir: str | None, seed
     def fill(folder: Path) -> None:
         for name, split, chunks in zip(STORED, loaded, pixels):
             write_npy_rows(folder / f"{name}_images.npy", np.uint8,
-                           (len(split), cfg.channels, cfg.image_size, cfg.image_size), chunks)
+                           (len(split), cfg.channels, cfg.image_size, cfg.image_size), _decoding(chunks))
             np.save(folder / f"{name}_labels.npy", labels_of(split).astype(np.int64))
 
-    error = write_cache_folder(path, fill)
+    try:
+        error = write_cache_folder(path, fill)
+    except _DecodeError as exc:
+        raise exc.__cause__ from None  # an image that cannot be decoded, as without the cache (PIL's OSError)
     stored = None if error else _read(path, cfg)
     if stored is None:
         _not_written(path, cfg, str(error or "it cannot be read back"))
         return loaded
     return stored
+
+
+class _DecodeError(Exception):
+    """An error decoding the images, carried out of the cache's write, which takes every OSError
+    for a failed write (PIL's errors for a damaged file are OSErrors)."""
+
+
+def _decoding(chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    """``chunks``, their decoding errors raised as :class:`_DecodeError`."""
+    try:
+        yield from chunks
+    except OSError as exc:
+        raise _DecodeError from exc
 
 
 def _remove_other_states(path: Path, cfg: DatasetConfig) -> None:

@@ -66,8 +66,8 @@ def image_pixels(ds: datasets.Dataset, cfg: DatasetConfig) -> np.ndarray | None:
     chunks = image_chunks(ds, cfg)
     if chunks is None:
         return None
-    none = np.empty((0, cfg.channels, cfg.image_size, cfg.image_size), dtype=np.uint8)  # (a split without rows)
-    return np.concatenate([none, *chunks])
+    empty = np.empty((0, cfg.channels, cfg.image_size, cfg.image_size), dtype=np.uint8)  # (a split without rows)
+    return np.concatenate([empty, *chunks])
 
 
 def image_chunks(ds: datasets.Dataset, cfg: DatasetConfig) -> Iterator[np.ndarray] | None:
