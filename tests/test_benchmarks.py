@@ -44,9 +44,10 @@ def test_bench_run_quick_prints_the_ratios_the_floor_and_one_accuracy():
                 "shutdown after the final model", "fixed cost per job"):
         assert row in out, (row, out)
     for row in ("F1. floor run alone (launcher, start to exit)", "   floor + plain rounds", "   plain round + that",
-                "F3. floor sweep, wall per job after the first"):
+                "   floor + plain + that wait, rounds 2..R", "F3. floor sweep, wall per job after the first"):
         assert re.search(rf"^{re.escape(row)}.* \d+\.\d\dx$", out, re.M), (row, out)
-    assert re.search(r"^   floor \+ plain: fixed cost per job +-?\d+\.\d$", out, re.M), out
+    for row in ("   floor + plain: fixed cost per job", "   floor + plain + wait: fixed cost per job"):
+        assert re.search(rf"^{re.escape(row)} +-?\d+\.\d$", out, re.M), (row, out)
     # the plain loop and the app compute the same run: one final accuracy for both
     assert re.search(r"^final test accuracy, plain loop and app runs \(one seed\): \[0\.\d+\]$", out, re.M), out
 
@@ -100,7 +101,9 @@ def test_bench_run_floor_rows_put_the_plain_loops_rounds_in_place_of_the_floors(
                                 ("F2. floor median round, 5 messages, locked", "0.200", None),
                                 ("   1 message a round at a random phase", "0.100", None),
                                 ("   plain round + that", "1.100", "1.10"),
+                                ("   floor + plain + that wait, rounds 2..R", "15.3", "1.53"),  # + 2 x 0.1
                                 ("F3. floor sweep, wall per job after the first", "7.0", "0.70"),
-                                ("   floor + plain: fixed cost per job", "-0.1", None)]:  # 7 - 0.6 + 3.5 - 10
+                                ("   floor + plain: fixed cost per job", "-0.1", None),  # 7 - 0.6 + 3.5 - 10
+                                ("   floor + plain + wait: fixed cost per job", "0.1", None)]:
         tail = "" if ratio is None else rf" +{ratio}x"
         assert re.search(rf"^{re.escape(row)} +{re.escape(seconds)}{tail}$", out, re.M), (row, out)
