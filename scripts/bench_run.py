@@ -13,8 +13,8 @@ Four parts, measured in one go, with ratios to the plain loop measured in the sa
    is split with its ``summary.json`` clocks: start-up (SuperLink, the run's submission, the simulation
    process, imports, task and model) until the run folder exists; the ServerApp's round 0
    (identification is in round 1), its rounds, and shutdown (after the final model is written:
-   the launcher's stop of the processes, since it no longer waits for Flower's own shutdown of a
-   run whose ServerApp has ended).
+   the launcher's stop of the processes; it does not wait for Flower's own shutdown of a run
+   whose ServerApp has ended).
 2. **Rounds**: the app's rounds 1..R (``metrics.jsonl`` ``seconds``, evaluation included) against
    the plain loop's, summed, and the median round of each.
 3. **Sweep jobs**: N runs (seeds 1..N) on one engine as ``scripts/sweep.py`` makes it

@@ -15,14 +15,16 @@ On a shared cluster runs compute one at a time: Flower sizes a run's actor pool 
 cluster's CPUs, so runs computing side by side on one cluster would wait on each other's actors,
 past the round's and the identification's timeouts. Up to ``max_parallel`` runs may still be in
 flight: a run is submitted once every other run in flight has said that its ServerApp ended with
-no client still working (an empty file named after its run id in ``$FEDACT_ENGINE_DONE_DIR``,
+no client still working (a file named after its run id in ``$FEDACT_ENGINE_DONE_DIR``,
 :mod:`fedact_app.serverapp_done`; the FedACT ServerApp writes it). Flower 1.41 then still shuts the
-last run down for 2-3 s (its simulation threads' queue waits, its actors' release), which the next
-run's start (a new ``flwr-simulation`` process importing flwr, Ray, torch and the app) overlaps;
-its actors wait for the last run's to leave the cluster's CPUs. A run that ends otherwise (it
-failed, or a client did not answer in time and may still be working) is waited for until Flower
-has finished it, and so are the runs of an app that writes no such file.
-:meth:`LocalEngine.for_sweep` makes the engine a sweep uses.
+last run down for 3-4 s (its simulation threads' queue waits, its Ray cluster's or actors' release,
+a last wait for its log upload), which the next run's start (a new ``flwr-simulation`` process
+importing flwr, Ray, torch and the app) overlaps; its actors wait for the last run's to leave the
+cluster's CPUs. A run that ends otherwise (it failed, or a client did not answer in time and may
+still be working) is waited for until Flower has finished it, and so are the runs of an app that
+writes no such file. :meth:`LocalEngine.for_sweep` makes the engine a sweep uses. A run the engine
+is closed after (``run_simulation``'s) need not wait for that shutdown at all: with
+``stop_at_end`` it ends once the ServerApp has, and ``close`` kills the rest.
 
 With ``shared_ray=False`` each run starts a Ray cluster of its own (``RAY_ADDRESS=local``), as
 Flower does, and up to ``max_parallel`` runs compute side by side. No run ever attaches to a

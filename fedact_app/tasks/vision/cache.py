@@ -16,8 +16,8 @@ import shutil
 import threading
 import warnings
 import zipfile
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
