@@ -132,18 +132,13 @@ def _read(path: Path, cfg: DatasetConfig) -> tuple[ArraySplit, ArraySplit] | Non
     stored = read_cache_folder(path, [f"{split}_{array}" for split in STORED for array in ("images", "labels")])
     if stored is None:
         return None
-    splits = _splits(stored)
+    splits = tuple(ArraySplit(stored[f"{split}_images"], stored[f"{split}_labels"]) for split in STORED)
     shape = (cfg.channels, cfg.image_size, cfg.image_size)
     for split in splits:
         if (split.all_images.dtype != np.uint8 or split.all_images.shape[1:] != shape
                 or split.labels.dtype != np.int64 or split.labels.shape != split.all_images.shape[:1]):
             return None
     return splits
-
-
-def _splits(arrays: dict[str, np.ndarray]) -> tuple[ArraySplit, ArraySplit]:
-    """The train and test splits of an entry's arrays."""
-    return tuple(ArraySplit(arrays[f"{split}_images"], arrays[f"{split}_labels"]) for split in STORED)
 
 
 def _decode_and_store(path: Path, cfg: DatasetConfig, data_dir: str | None, seed: int) -> tuple[Split, Split]:
