@@ -93,17 +93,18 @@ def test_bench_run_floor_rows_put_the_plain_loops_rounds_in_place_of_the_floors(
     import bench_run
 
     plain = [{"wall": 10.0, "rounds": [1.5, 1.0, 1.0], "final_test_accuracy": 0.5, "clients_per_round": 5}]
-    floor = {"alone": [{"wall": 12.0, "rounds": [3.0, 0.2, 0.2]}], "single": {"rounds": [2.0, 0.1, 0.1]},
+    floor = {"alone": [{"wall": 12.0, "rounds": [3.0, 0.2, 0.2]}], "single": {"rounds": [2.0, 0.1, 0.1, 0.1, 0.3]},
              "jobs": [{"end": 20.0, "rounds": [1.0, 0.3, 0.3]}, {"end": 27.0, "rounds": [1.0, 0.3, 0.3]}]}
     out = "\n".join(bench_run.floor_report(plain, floor))
     for row, seconds, ratio in [("F1. floor run alone (launcher, start to exit)", "12.0", "1.20"),
                                 ("   floor + plain rounds", "15.1", "1.51"),  # 12 - 0.4 + 3.5
                                 ("F2. floor median round, 5 messages, locked", "0.200", None),
-                                ("   1 message a round at a random phase", "0.100", None),
-                                ("   plain round + that", "1.100", "1.10"),
-                                ("   floor + plain + that wait, rounds 2..R", "15.3", "1.53"),  # + 2 x 0.1
+                                # the mean of rounds 2..R (0.15), not their median (0.1)
+                                ("   1 message a round at a random phase, mean", "0.150", None),
+                                ("   plain round + that", "1.150", "1.15"),
+                                ("   floor + plain + that wait, rounds 2..R", "15.4", "1.54"),  # + 2 x 0.15
                                 ("F3. floor sweep, wall per job after the first", "7.0", "0.70"),
                                 ("   floor + plain: fixed cost per job", "-0.1", None),  # 7 - 0.6 + 3.5 - 10
-                                ("   floor + plain + wait: fixed cost per job", "0.1", None)]:
+                                ("   floor + plain + wait: fixed cost per job", "0.2", None)]:
         tail = "" if ratio is None else rf" +{ratio}x"
         assert re.search(rf"^{re.escape(row)} +{re.escape(seconds)}{tail}$", out, re.M), (row, out)
