@@ -561,3 +561,32 @@ def test_sigterm_becomes_system_exit_during_a_run() -> None:
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, session_handler)
+
+
+@pytest.mark.parametrize("shared_ray", [True, False])
+def test_the_engine_starts_ray_without_idle_workers_ahead_of_flowers_actors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_ray: bool) -> None:
+    """The SuperLink (so each run's own Ray cluster) and a shared Ray head get the Ray settings that
+    turn off its prestarted workers, which Flower's runtime-env actors never use; a value the
+    caller gives wins."""
+    from types import SimpleNamespace
+
+    started: dict[str, dict[str, str]] = {}
+
+    def ray_start(num_cpus, num_gpus, env):
+        started["ray"] = dict(env)
+        return SimpleNamespace(address="127.0.0.1:1", stop=lambda **_: None)
+
+    def link_start(home, env, cwd, deadline):
+        started["superlink"] = dict(env)
+        return SimpleNamespace(port=1, stop=lambda **_: None)
+
+    monkeypatch.setattr(engine.RayCluster, "start", ray_start)
+    monkeypatch.setattr(engine.SimulationSuperLink, "start", link_start)
+    monkeypatch.setattr(engine.flwr, "ControlClient", lambda address: None)
+    eng = engine.LocalEngine(shared_ray=shared_ray, flwr_home=tmp_path, env={"RAY_enable_worker_prestart": "1"})
+    eng._start()
+    assert set(started) == ({"ray", "superlink"} if shared_ray else {"superlink"})
+    for env in started.values():
+        assert env["RAY_prestart_worker_first_driver"] == "0"
+        assert env["RAY_enable_worker_prestart"] == "1"  # the caller's
