@@ -567,8 +567,8 @@ def test_sigterm_becomes_system_exit_during_a_run() -> None:
 def test_the_engine_starts_ray_without_idle_workers_ahead_of_flowers_actors(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_ray: bool) -> None:
     """The SuperLink (so each run's own Ray cluster) and a shared Ray head get the Ray settings that
-    turn off its prestarted workers, which Flower's runtime-env actors never use; a value the
-    caller gives wins."""
+    turn off its prestarted workers, which Flower's runtime-env actors never use, and its usage
+    reports; a value the caller gives wins."""
     from types import SimpleNamespace
 
     started: dict[str, dict[str, str]] = {}
@@ -588,5 +588,5 @@ def test_the_engine_starts_ray_without_idle_workers_ahead_of_flowers_actors(
     eng._start()
     assert set(started) == ({"ray", "superlink"} if shared_ray else {"superlink"})
     for env in started.values():
-        assert env["RAY_prestart_worker_first_driver"] == "0"
+        assert env["RAY_prestart_worker_first_driver"] == "0" and env["RAY_USAGE_STATS_ENABLED"] == "0"
         assert env["RAY_enable_worker_prestart"] == "1"  # the caller's

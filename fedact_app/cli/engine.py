@@ -76,6 +76,9 @@ BASE_ENV = {
     # the actors' (a run 1.0-1.5 s faster without them, docs/PERFORMANCE.md, stop 25)
     "RAY_enable_worker_prestart": "0",
     "RAY_prestart_worker_first_driver": "0",
+    # as Flower's telemetry above, and as the shared cluster's `ray start --disable-usage-stats`: a
+    # run's own cluster (ray.init inside the run) would otherwise send Ray's usage reports
+    "RAY_USAGE_STATS_ENABLED": "0",
 }
 
 
