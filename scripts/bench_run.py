@@ -31,8 +31,8 @@ Four parts, measured in one go, with ratios to the plain loop measured in the sa
    run: floor run - its rounds 2..R + plain rounds; fixed cost per job: floor job - its rounds 2..R
    + plain rounds - plain run). A round of the floor locks to the 0.1 s poll of Flower's
    dispatch loop; a job of :data:`SINGLE_ROUNDS` rounds of one message each, started at a random
-   phase of that poll, measures the wait a computing round has (their mean), and "plain round + that" the
-   round it leaves; "floor + plain + that wait" adds that wait to each of rounds 2..R, since a
+   phase of that poll, measures the wait a computing round has (their mean), and "plain round +
+   that" the round it leaves; "floor + plain + that wait" adds that wait to each of rounds 2..R, since a
    round whose clients compute starts at a random point of the poll (the floor's own rounds do
    not wait it: they lock to the poll). Where "floor + plain" (or, stricter, "+ that wait")
    misses a target, the app cannot meet it on this engine by changes to its own computing.

@@ -564,11 +564,12 @@ def test_sigterm_becomes_system_exit_during_a_run() -> None:
 
 
 @pytest.mark.parametrize("shared_ray", [True, False])
+@pytest.mark.parametrize("given", [{}, {"RAY_prestart_worker_first_driver": "1"}])
 def test_the_engine_starts_ray_without_idle_workers_ahead_of_flowers_actors(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_ray: bool) -> None:
-    """The SuperLink (so each run's own Ray cluster) and a shared Ray head get the Ray settings that
-    turn off its prestarted workers, which Flower's runtime-env actors never use, and its usage
-    reports; a value the caller gives wins."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_ray: bool, given: dict[str, str]) -> None:
+    """The SuperLink (so each run's own Ray cluster) and a shared Ray head get the Ray setting that
+    turns off the idle workers Ray starts for its first driver, which Flower's runtime-env actors
+    never use; a value the caller gives wins."""
     from types import SimpleNamespace
 
     started: dict[str, dict[str, str]] = {}
@@ -584,9 +585,8 @@ def test_the_engine_starts_ray_without_idle_workers_ahead_of_flowers_actors(
     monkeypatch.setattr(engine.RayCluster, "start", ray_start)
     monkeypatch.setattr(engine.SimulationSuperLink, "start", link_start)
     monkeypatch.setattr(engine.flwr, "ControlClient", lambda address: None)
-    eng = engine.LocalEngine(shared_ray=shared_ray, flwr_home=tmp_path, env={"RAY_enable_worker_prestart": "1"})
-    eng._start()
+    monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
+    engine.LocalEngine(shared_ray=shared_ray, flwr_home=tmp_path, env=given)._start()
     assert set(started) == ({"ray", "superlink"} if shared_ray else {"superlink"})
     for env in started.values():
-        assert env["RAY_prestart_worker_first_driver"] == "0" and env["RAY_USAGE_STATS_ENABLED"] == "0"
-        assert env["RAY_enable_worker_prestart"] == "1"  # the caller's
+        assert env["RAY_prestart_worker_first_driver"] == given.get("RAY_prestart_worker_first_driver", "0")

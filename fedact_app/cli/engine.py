@@ -71,14 +71,11 @@ BASE_ENV = {
     # SuperLink and the SuperExec CPU all the time, runs computing or not: idle, 6 % of a core at
     # 0.1 s, 2.4 % at 0.25 s, 0.9 % at 1.0 s (docs/PERFORMANCE.md, stop 22)
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25",
-    # Ray starts idle workers ahead of a cluster's first tasks, but Flower's actors run in a runtime
-    # env (RayBackend sets PYTHONPATH in one) and never use them: on 2 cores their start only slowed
-    # the actors' (a run 1.0-1.5 s faster without them, docs/PERFORMANCE.md, stop 25)
-    "RAY_enable_worker_prestart": "0",
+    # when a cluster's first driver connects, Ray starts one idle worker per CPU for plain tasks;
+    # Flower's actors run in a runtime env (RayBackend sets PYTHONPATH in one) and never use them,
+    # and on 2 cores their start only slowed the actors' (a run 0.7-1.7 s faster without them,
+    # docs/PERFORMANCE.md, stop 25)
     "RAY_prestart_worker_first_driver": "0",
-    # as Flower's telemetry above, and as the shared cluster's `ray start --disable-usage-stats`: a
-    # run's own cluster (ray.init inside the run) would otherwise send Ray's usage reports
-    "RAY_USAGE_STATS_ENABLED": "0",
 }
 
 
