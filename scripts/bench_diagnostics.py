@@ -1,4 +1,4 @@
-"""Benchmark: what the client-side diagnostics cost a local round (issue: at most 5 % at their
+"""Benchmark: what the client-side diagnostics cost a local round (the aim: at most 5 % at their
 default sampling, ``diagnostics.trust_every=10``).
 
     python scripts/bench_diagnostics.py                      # ViT-Tiny, 3x32x32 inputs, batch 50, K = 20

@@ -1,7 +1,7 @@
 """Benchmark: a whole app run, and a sweep's jobs, against a plain PyTorch loop doing the same work.
 
     python scripts/bench_run.py                          # the README's digits run, 2 repeats, 3 sweep jobs
-    python scripts/bench_run.py --setting vit --data /work/data/fmnist   # issue 20's tiny-ViT Fashion-MNIST run
+    python scripts/bench_run.py --setting vit --data /work/data/fmnist   # the tiny-ViT Fashion-MNIST run of docs/RESULTS.md
     python scripts/bench_run.py --quick                  # a smoke run (2 rounds, 1 repeat, 2 jobs)
 
 Four parts, measured in one go, with ratios to the plain loop measured in the same go:

@@ -3,7 +3,7 @@ from this project's ServerApp and a ClientApp that trains honestly but reports a
 (partition 0 in every round) runs through real `flwr run`; the server rejects partition 0's replies,
 trains on the others and completes with a finite model that learned.
 
-The forgeries are the issue's: lr-sum = 1e-9 (Delta_G = -mean(Delta / lr-sum) gave ||Delta_G|| ~ 5e8
+The forgeries are those that once got through: lr-sum = 1e-9 (Delta_G = -mean(Delta / lr-sum) gave ||Delta_G|| ~ 5e8
 and a train loss of 1e17) and num-examples = 1e15 with weighting=examples (one client took the
 whole aggregate)."""
 

@@ -88,7 +88,7 @@ def partitions_sampled(strategy_, grid, purpose="train", fraction=None) -> list[
 
 def test_the_client_sequence_does_not_depend_on_the_node_ids():
     """Three launches (three node-id draws) of one config sample the same partitions every round;
-    by node id (Flower 1.41's sampling before this fix) they agreed in no round."""
+    by node id (Flower 1.41's own sampling) they agree in no round."""
     runs = [partitions_sampled(strategy(), simulation_grid(20, launch)) for launch in range(3)]
     assert runs[0] == runs[1] == runs[2]
     assert all(len(sample) == 5 and len(set(sample)) == 5 for sample in runs[0])

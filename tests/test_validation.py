@@ -1,5 +1,5 @@
-"""Bad input never reaches training or the global state: config values (each category of the
-issue), configs the data cannot feed, and bad client replies built as real Flower messages."""
+"""Bad input never reaches training or the global state: config values (each category of
+bad value), configs the data cannot feed, and bad client replies built as real Flower messages."""
 
 import logging
 import time

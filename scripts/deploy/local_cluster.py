@@ -87,7 +87,7 @@ class ClusterError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 @dataclass
 class Proc:
-    """One process this helper started (a session leader: its pgid is its pid)."""
+    """One process this script started (a session leader: its pgid is its pid)."""
 
     name: str
     pid: int
@@ -595,7 +595,7 @@ def _same_process(pid: int, started: int | None) -> bool:
 
 
 def _killpg(leader: int, sig: int) -> None:
-    """Signal the process group of ``leader``, a session leader this helper started."""
+    """Signal the process group of ``leader``, a session leader this script started."""
     try:
         if os.getpgid(leader) == leader:
             os.killpg(leader, sig)
