@@ -9,7 +9,7 @@ receives, so a SuperNode's client is cold in every round; a simulation client (a
 cold only in its first. Each repeat here runs a fresh Python process that does what the
 ClientApp's train handler does for partition 0 in round 1 and times its phases:
 
-- imports: ``fedact_app.client_app`` (torch, Flower; not what Flower itself imports before it
+- imports: ``fedact_app.client_work`` (torch, Flower; not what Flower itself imports before it
   loads the app);
 - trainer: the run config, the task, the model (timm's import for the ViT, Swin and ResNet-18)
   and the optimizer (``trainer_for``);
@@ -52,7 +52,7 @@ def child(overrides: str) -> dict[str, float]:
         now = time.perf_counter()
         times[name], mark = now - mark, now
 
-    import fedact_app.client_app  # noqa: F401  (what the ClientApp process imports)
+    import fedact_app.client_work  # noqa: F401  (what a process that does the work imports)
     from fedact_app.tasks.vision import data
     from fedact_app.client_trainer import trainer_for
     lap("imports")

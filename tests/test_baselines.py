@@ -403,7 +403,7 @@ def test_scaffold_c_i_lives_in_each_clients_context_state():
     never crosses to another client although one warm trainer serves both."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-    from fedact_app.client_app import CLIENT_STATE_PREFIX, load_client_state, train_content
+    from fedact_app.client_work import CLIENT_STATE_PREFIX, load_client_state, train_content
     from fedact_app.config import compose
     from fedact_app.tasks.vision.models import build_model
 

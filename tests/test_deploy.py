@@ -14,10 +14,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -521,7 +523,7 @@ def test_supernode_with_its_own_data_path_trains_on_it(tmp_path):
 def test_bad_data_path_node_config_fails_clearly(tmp_path):
     from flwr.app import Context, RecordDict
 
-    from fedact_app.client_app import node_data
+    from fedact_app.client_work import node_data
     from fedact_app.config import compose
 
     files = compose("dataset=fashion_mnist")
@@ -539,3 +541,79 @@ def test_bad_data_path_node_config_fails_clearly(tmp_path):
     ]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             node_data(node(config), cfg)
+
+
+# ------------------------------------------------------------------ warm workers (fedact_app.node_worker)
+# SCAFFOLD: each client's c_i lives in its Context.state, which goes to the worker and back
+WORKER_RUN = ("algorithm=scaffold num_clients=2 num_rounds=2 min_train_nodes=2 fraction_train=1.0 "
+              "local_steps=3 batch_size=16 output_dir={out}")
+
+
+def _results(output: Path) -> tuple[list[dict], dict]:
+    """A run's metrics.jsonl rows (wall-clock columns aside) and final model."""
+    from safetensors.torch import load_file
+
+    (folder,) = [p for p in output.iterdir() if (p / "summary.json").is_file()]
+    rows = [{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return rows, load_file(str(folder / "model.safetensors"))
+
+
+def _assert_same_run(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> None:
+    import torch
+
+    assert a[0] == b[0]
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_warm_workers_give_the_cold_runs_results_and_a_restarted_supernode_gets_a_new_one(tmp_path, flower_engine):
+    from conftest import ENGINE_CPUS
+
+    from fedact_app.config import compose
+    from fedact_app.node_worker.inventory import workers
+    from fedact_app.tasks.vision.data import load_test
+
+    # every ServerApp below reads the digits split from the data cache: one that computes it (cache
+    # empty) evaluates the same final model to a test loss some 1e-7 away (measured on digits)
+    load_test(compose(WORKER_RUN.format(out=tmp_path)))
+    worker_dir = Path(tempfile.mkdtemp(prefix="fw-")) / "w"  # short: a socket path has at most 107 bytes
+    # the simulation's clients have ENGINE_CPUS torch threads (Ray sets OMP_NUM_THREADS): so do the workers
+    env = {**ENV, "FLWR_HOME": str(tmp_path / "unused-flwr-home"), "FEDACT_WORKER_DIR": str(worker_dir),
+           "OMP_NUM_THREADS": str(ENGINE_CPUS)}
+    results = {}
+    try:
+        for mode, template in (("warm", lc.DEFAULT_TEMPLATE), ("cold", lc.DEFAULT_TEMPLATE + " warm-worker=false")):
+            cluster = lc.up(tmp_path / mode, nodes=2, env=env, cwd=tmp_path, timeout=150, quiet=True,
+                            node_config_template=template)
+            try:
+                run_id = lc.submit(cluster, ROOT, overrides=WORKER_RUN.format(out=tmp_path / f"out-{mode}"))
+                state, details, log = lc.wait_run(cluster, run_id, timeout=300)
+                assert state == "finished:completed", f"{state} {details}\n{log[-4000:]}"
+                results[mode] = _results(tmp_path / f"out-{mode}")
+                served = [f"warm worker of run {run_id} node {n.node_id}" in lc.tail(n.log, 400)
+                          for n in cluster.nodes]
+                assert served == [mode == "warm"] * 2
+                assert not workers(worker_dir)  # wait_run stopped the finished run's workers
+                if mode == "warm":  # node-0's SuperNode restarts; the next run gets a worker of the new one
+                    node = cluster.nodes[0]
+                    lc._killpg(node.pid, signal.SIGTERM)
+                    assert _wait_exit(node, 30) is not None
+                    node_env = {**os.environ, **lc.flwr_cli.BASE_ENV, **env, "FLWR_HOME": str(cluster.root / node.name)}
+                    fresh = lc.start_supernode(cluster, node.name, Path(node.key), node.node_config, node_env,
+                                               Path(node.cwd))
+                    fresh.node_id, cluster.nodes[0] = node.node_id, fresh
+                    cluster.save()
+                    again = lc.submit(cluster, ROOT, overrides=WORKER_RUN.format(out=tmp_path / "out-again"))
+                    state, details, log = lc.wait_run(cluster, again, timeout=300)
+                    assert state == "finished:completed", f"{state} {details}\n{log[-4000:]}"
+                    assert f"warm worker of run {again} node {node.node_id}" in lc.tail(fresh.log, 400)
+            finally:
+                lc.down(cluster, quiet=True)
+        assert not workers(worker_dir)
+        _assert_same_run(results["warm"], results["cold"])
+        simulated = flower_engine.run(ROOT, overrides=WORKER_RUN.format(out=tmp_path / "out-sim"), num_supernodes=2)
+        assert simulated.completed, f"{simulated.status} {simulated.details}\n{simulated.tail(60)}"
+        _assert_same_run(results["warm"], _results(tmp_path / "out-sim"))
+    finally:
+        shutil.rmtree(worker_dir.parent, ignore_errors=True)
+

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
-from fedact_app.client_app import handle
+from fedact_app.client_work import handle
 from fedact_app.node_slot import STALE_AFTER, node_slot, remove_run_locks, remove_stale_locks, run_locks
 
 pytestmark = pytest.mark.timeout(600)

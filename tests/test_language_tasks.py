@@ -10,7 +10,7 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from fedact_app.client_app import node_data
+from fedact_app.client_work import node_data
 from fedact_app.client_trainer import ClientTrainer, trainer_for
 from fedact_app.config import ConfigError, compose
 from fedact_app.results import main_metric_summary

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
 
 from fedact_app.algorithms import ALGORITHMS
-from fedact_app.client_app import client_identity
+from fedact_app.node_config import client_identity
 from fedact_app.config import compose
 from fedact_app.sampling import IDENTITY_RECORD, client_key, sample_clients, sample_count
 from fedact_app.strategy import AlgorithmStrategy

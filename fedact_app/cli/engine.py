@@ -67,10 +67,6 @@ CONNECTION = "fedact-launch"  # the only connection in the engine's config.toml 
 BASE_ENV = {
     **flwr.BASE_ENV,
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    # Flower's default 1.0 s is waited at every run's start (0.5 s on average); each poll costs the
-    # SuperLink and the SuperExec CPU all the time, runs computing or not: idle, 6 % of a core at
-    # 0.1 s, 2.4 % at 0.25 s, 0.9 % at 1.0 s (docs/PERFORMANCE.md, "Fixed settings of the engine")
-    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25",
     # when a cluster's first driver connects, Ray starts one idle worker per CPU for plain tasks;
     # Flower's actors run in a runtime env (RayBackend sets PYTHONPATH in one) and never use them,
     # and on 2 cores their start only slows the actors' (a run 0.7-1.7 s faster without them,

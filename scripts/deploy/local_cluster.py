@@ -35,6 +35,14 @@ Fleet API and Runtime API on one socket, so whoever reaches that socket can do a
 ``status`` lists what each process listens on. docs/DEPLOY.md ("Security") has the multi-machine
 set-up that keeps the Control API off the network.
 
+Warm workers: each SuperNode's ClientApp hands its messages to a warm worker on the node
+(``fedact_app.node_worker``; ``warm-worker=false`` in a node config turns it off), as in every
+deployment. ``run`` (and ``wait_run``) stops a run's workers when the run has finished (Flower
+tells a ClientApp nothing of its run's end), ``down`` waits for them to end with their SuperNodes,
+``status`` lists them. Every process gets ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.25``
+(``fedact_app.cli.flwr.BASE_ENV``): a SuperNode's SuperExec asks for each message's ClientApp
+task 4 times a second instead of once.
+
 Node config: ``--node-config-template`` (default ``partition-id={i} num-partitions={n}``) is
 formatted per node with ``{i}`` (node index) and ``{n}`` (number of nodes); ``--node-config
 I=CONFIG`` replaces it for node I. ``--cuda-devices 0,1`` gives node i CUDA_VISIBLE_DEVICES =
@@ -67,6 +75,8 @@ from fedact_app.cli.flwr import (LaunchError, console_script, follow_run, free_p
                                  strip_ansi, submit_run, write_connection)
 from fedact_app.cli import flwr as flwr_cli
 from fedact_app.cli.procs import descendants, kill_quietly, pid_alive, start_time
+from fedact_app.node_worker.channel import WORKER_DIR_ENV, worker_dir
+from fedact_app.node_worker.inventory import stop_workers, workers
 
 HERE = Path(__file__).resolve().parent
 CONNECTION = "fedact-local"
@@ -113,6 +123,7 @@ class Cluster:
     superlink: Proc
     nodes: list[Proc] = field(default_factory=list)
     connection: str = CONNECTION
+    worker_dir: str = ""  # where the SuperNodes' warm workers keep their sockets (fedact_app.node_worker)
 
     @property
     def root(self) -> Path:
@@ -143,6 +154,7 @@ class Cluster:
             superlink=Proc(**data["superlink"]),
             nodes=[Proc(**node) for node in data["nodes"]],
             connection=data.get("connection", CONNECTION),
+            worker_dir=data.get("worker_dir", ""),
         )
 
     def cli(self, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
@@ -218,7 +230,8 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
             *extra,
         ]  # fmt: skip
         link = _spawn("superlink", link_cmd, root / "logs" / "superlink.log", link_port, link_env, link_cwd)
-        cluster = Cluster(dir=str(root), port=link_port, superlink=link)
+        cluster = Cluster(dir=str(root), port=link_port, superlink=link,
+                          worker_dir=base_env.get(WORKER_DIR_ENV) or str(worker_dir()))
         cluster.save()
         try:
             _write_connection(cluster.flwr_home, link_port, certs / "ca.crt")
@@ -419,11 +432,12 @@ def list_runs(cluster: Cluster, run_id: int | str | None = None) -> list[dict[st
 
 def status(cluster: Cluster) -> dict[str, Any]:
     """Processes (alive or not, and the addresses each one's process tree listens on),
-    SuperNodes as the SuperLink sees them, and runs."""
+    SuperNodes as the SuperLink sees them, runs, and the SuperNodes' warm workers."""
     procs = [{"name": p.name, "pid": p.pid, "alive": p.alive(), "port": p.port,
               "listening": listening({p.pid, *descendants(p.pid)}) if p.alive() else [],
               "node-id": p.node_id, "node-config": p.node_config} for p in cluster.procs]
     link_alive = cluster.superlink.alive()
+    node_pids = {node.pid for node in cluster.nodes}
     return {
         "dir": cluster.dir,
         "superlink": f"{HOST}:{cluster.port}",
@@ -432,6 +446,8 @@ def status(cluster: Cluster) -> dict[str, Any]:
         "processes": procs,
         "nodes": list_nodes(cluster) if link_alive else [],
         "runs": list_runs(cluster) if link_alive else [],
+        "workers": [w for w in workers(Path(cluster.worker_dir)) if w["supernode-pid"] in node_pids]
+                   if cluster.worker_dir else [],
         "healthy": all(p["alive"] for p in procs),
     }
 
@@ -464,7 +480,8 @@ def wait_run(cluster: Cluster, run_id: str, timeout: float = 600.0, poll: float 
     run = follow_run(cluster.flwr_home, cluster.connection, run_id, cluster.root / "logs" / f"run-{run_id}.log",
                      deadline=time.monotonic() + timeout, poll_interval=poll, superlink_gone=gone,
                      stream_stderr=subprocess.STDOUT)
-    if run.finished:
+    if run.finished and cluster.worker_dir:  # Flower tells no ClientApp that its run ended
+        stop_workers(Path(cluster.worker_dir), run_id=int(run_id))
         return run.status, run.details, run.log.strip()
     if run.timed_out:
         return "timeout", f"the run did not finish within {timeout:.0f} s", run.log.strip()
@@ -479,7 +496,8 @@ def down(cluster: Cluster | str | Path, *, quiet: bool = False, grace: float = S
 
     Snapshot the process trees first (children are re-parented once their parent is gone).
     SIGTERM each SuperNode's process group (the SuperNode, its SuperExec and ClientApps: each
-    SuperNode was started as a session leader) so that it leaves the SuperLink cleanly, wait;
+    SuperNode was started as a session leader) so that it leaves the SuperLink cleanly, and wait
+    for them and for their warm workers (which end with their SuperNode);
     SIGTERM the SuperLink, wait; then SIGTERM, and finally SIGKILL, whatever of the trees is left.
     """
     if not isinstance(cluster, Cluster):
@@ -492,6 +510,10 @@ def down(cluster: Cluster | str | Path, *, quiet: bool = False, grace: float = S
     roots = [p for p in cluster.procs if p.alive()]
     tree: dict[int, int | None] = {}  # pid -> start time (None: unknown)
     node_tree: dict[int, int | None] = {}
+    node_pids = {proc.pid for proc in roots if proc is not cluster.superlink}
+    for worker in workers(Path(cluster.worker_dir)) if cluster.worker_dir else []:
+        if worker["supernode-pid"] in node_pids:  # a session of its own; it ends with its SuperNode
+            node_tree[worker["pid"]] = tree[worker["pid"]] = worker["start-time"]
     for proc in roots:
         sub = {proc.pid: proc.start_time, **{pid: start_time(pid) for pid in descendants(proc.pid)}}
         tree.update(sub)
@@ -702,6 +724,8 @@ def _print_status(info: dict[str, Any]) -> None:
         print(f"  node {node.get('node-id')}: {node.get('status')}")
     for run in info["runs"]:
         print(f"  run {run.get('run-id')}: {run.get('status')} {run.get('status-details', '')}")
+    for worker in info["workers"]:
+        print(f"  warm worker pid {worker['pid']}: run {worker['run-id']} node {worker['node-id']}")
 
 
 if __name__ == "__main__":

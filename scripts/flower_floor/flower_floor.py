@@ -2,15 +2,16 @@
 no compute. ``scripts/bench_run.py`` runs it next to the app to show what Flower itself costs.
 
 The ServerApp does what the FedACT ServerApp does around its compute: it waits for its
-``num-nodes`` SuperNodes, asks each once who it is (a QUERY message, as the strategy identifies
-its clients), then for ``num-rounds`` rounds sends ``clients-per-round`` nodes a training message
+``num-nodes`` SuperNodes, asks each once who it is in round 1 (a QUERY message, as the strategy
+identifies its clients), and for ``num-rounds`` rounds sends ``clients-per-round`` nodes a training message
 carrying float32 arrays of ``shapes-out`` (the global model and the method's broadcast arrays) in
 one record and collects their replies with the app's own reply loop
 (``fedact_app.strategy.exchange``). A ClientApp answers at once with float32 arrays of
 ``shapes-back`` (the model delta and the method's reply arrays). No model, data, training,
 aggregation, evaluation or EVALUATE messages: what is left is Flower's processes, Ray, the message
-path, the serialisation of messages of the app's size, and the imports of flwr, torch and the
-parts of ``fedact_app`` the reply loop and the arrays need (not the task's: timm, Hydra, data).
+path, the serialisation of messages of the app's size, and the imports of flwr and NumPy (the
+ServerApp also imports torch and the parts of ``fedact_app`` its reply loop needs; not the task's:
+timm, Hydra, data).
 The ServerApp writes each round's seconds to ``output`` and, when every message had its reply,
 tells a local engine it has ended (``fedact_app.serverapp_done``), as the app does. It runs where
 ``fedact_app`` is installed (``pip install -e .``): the app's package comes from there, not from
@@ -31,14 +32,10 @@ import random
 import time
 from pathlib import Path
 
-import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-
-from fedact_app.serverapp_done import mark_done
-from fedact_app.strategy import exchange
-from fedact_app.wire import array_record
 
 server = ServerApp()
 client = ClientApp()
@@ -47,12 +44,19 @@ TIMEOUT = 600.0  # seconds the ServerApp waits for its nodes, and a round for it
 
 @functools.lru_cache(maxsize=4)
 def arrays(shapes_json: str):
-    """An ArrayRecord of float32 zeros of the given shapes (built once per process)."""
-    return array_record({str(i): torch.zeros(shape) for i, shape in enumerate(json.loads(shapes_json))})
+    """An ArrayRecord of float32 zeros of the given shapes (built once per process; the bytes
+    ``fedact_app.wire`` sends for float32 tensors)."""
+    return ArrayRecord({str(i): Array(np.zeros(shape, np.float32)) for i, shape in enumerate(json.loads(shapes_json))})
 
 
 @server.main()
 def main(grid: Grid, context: Context) -> None:
+    # the app's own reply loop and end signal (torch): imported here, so a ClientApp of this
+    # module imports Flower and NumPy alone, as a ClientApp that hands its work to a warm
+    # worker does (fedact_app.client_app)
+    from fedact_app.serverapp_done import mark_done
+    from fedact_app.strategy import exchange
+
     config = context.run_config
     rounds, per_round, num_nodes = (int(config[key]) for key in ("num-rounds", "clients-per-round", "num-nodes"))
     deadline = time.monotonic() + TIMEOUT
@@ -60,13 +64,15 @@ def main(grid: Grid, context: Context) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(nodes)} of {num_nodes} SuperNodes connected in {TIMEOUT:.0f} s")
         time.sleep(0.1)
-    queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
-    answered = len(exchange(grid, queries, TIMEOUT)) == len(queries)
     sampler, phase = random.Random(int(config["seed"])), random.Random(int(config["seed"]) + 1)
-    seconds = []
+    seconds, answered = [], True
     for server_round in range(1, rounds + 1):
         time.sleep(phase.uniform(0.0, float(config["phase-jitter"])))
         started = time.perf_counter()
+        if server_round == 1:  # the app identifies its clients within round 1, so the floor does too
+            queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node)
+                       for node in nodes]
+            answered = len(exchange(grid, queries, TIMEOUT)) == len(queries)
         content = RecordDict({"model": arrays(str(config["shapes-out"])),
                               "config": ConfigRecord({"server-round": server_round})})
         messages = [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)

@@ -1,0 +1,220 @@
+"""A ClientApp message's work: unpack the message, call the plain training code, pack the reply.
+
+``fedact_app.client_app`` (the ClientApp Flower loads) calls :func:`run_message` in its own process,
+or has the SuperNode's warm worker (``fedact_app.node_worker``) call it there; the reply and the
+``Context`` it leaves are the same either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from logging import WARNING
+
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.common.constant import ErrorCode
+
+from fedact_app.algorithms import TensorDict
+from fedact_app.checkpoint import persist_client_state, restored_client_state
+from fedact_app.client_trainer import ClientTrainer, trainer_for
+from fedact_app.config import Config, compose
+from fedact_app.finite import describe_names, non_finite
+from fedact_app.node_config import DATA_PATH_KEY
+from fedact_app.node_slot import node_slot
+from fedact_app.registry import FILE_DATASETS
+from fedact_app.wire import array_record
+
+def node_data(context: Context, cfg: Config) -> tuple[int, int, str | None]:
+    """(partition-id, num-partitions, data-path) from the node config: either the node's own
+    dataset (``data-path``: (0, 1, path)) or a benchmark partition ((i, n, None))."""
+    node_config = context.node_config
+    if DATA_PATH_KEY not in node_config:
+        return (*node_partition(context, cfg.num_clients), None)
+    if "partition-id" in node_config or "num-partitions" in node_config:
+        raise ValueError(
+            f"The node config has both {DATA_PATH_KEY} and partition-id/num-partitions: give either "
+            f"--node-config \"{DATA_PATH_KEY}='/abs/path'\" (this node's own data) or "
+            f"\"partition-id=<i> num-partitions=<n>\" (a benchmark partition). "
+            f"Node config seen: {dict(node_config)}")
+    path = os.path.expanduser(str(node_config[DATA_PATH_KEY]))
+    if not os.path.isabs(path):
+        raise ValueError(f"{DATA_PATH_KEY}={path!r} must be an absolute path: the ClientApp does "
+                         "not run in the directory the SuperNode was started from")
+    if cfg.dataset.name not in FILE_DATASETS:
+        raise ValueError(
+            f"{DATA_PATH_KEY} needs a dataset config that describes this node's files (image size, "
+            f"channels, classes, columns): run with dataset=<{'|'.join(FILE_DATASETS)}>, not "
+            f"dataset={cfg.dataset.name}")
+    if not os.path.exists(os.path.dirname(path) if "{split}" in path else path):
+        raise FileNotFoundError(f"{DATA_PATH_KEY}={path!r} does not exist on this SuperNode")
+    return 0, 1, path
+
+
+def node_trainer(context: Context) -> tuple[ClientTrainer, int, int]:
+    """(trainer, partition-id, num-partitions) for this run and this SuperNode's node config."""
+    overrides = str(context.run_config.get("overrides", ""))
+    partition_id, num_partitions, data_path = node_data(context, _compose(overrides))
+    return trainer_for(overrides, data_path), partition_id, num_partitions
+
+
+@functools.lru_cache(maxsize=2)
+def _compose(overrides: str) -> Config:
+    return compose(overrides)
+
+
+def node_partition(context: Context, num_clients: int) -> tuple[int, int]:
+    """(partition-id, num-partitions) from the node config, checked against the run config."""
+    node_config = context.node_config
+    if "partition-id" not in node_config or "num-partitions" not in node_config:
+        raise ValueError(
+            "This SuperNode has no partition: start it with "
+            "--node-config \"partition-id=<i> num-partitions=<n>\" (simulation sets both itself). "
+            f"Node config seen: {dict(node_config)}")
+    partition_id, num_partitions = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    if num_partitions != num_clients:
+        raise ValueError(
+            f"num-partitions={num_partitions} in this SuperNode's node config differs from "
+            f"num_clients={num_clients} in the run config: one SuperNode per client. Set "
+            f"num_clients={num_partitions} in the overrides, or run {num_clients} SuperNodes: in "
+            f"simulation `python -m fedact_app.cli.launch --num-supernodes {num_clients}` or `flwr run "
+            f"--federation-config \"num-supernodes={num_clients}\"`; in a deployment each started with "
+            f"--node-config \"partition-id=<i> num-partitions={num_clients}\".")
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id={partition_id} outside [0, {num_partitions})")
+    return partition_id, num_partitions
+
+
+CLIENT_STATE_PREFIX = "client_state."  # Context.state key of each array dict a client keeps
+
+
+def load_client_state(context: Context) -> dict[str, TensorDict]:
+    """This client's arrays kept from its previous round ({} before its first round)."""
+    return {key[len(CLIENT_STATE_PREFIX):]: record.to_torch_state_dict()
+            for key, record in context.state.array_records.items()
+            if key.startswith(CLIENT_STATE_PREFIX)}
+
+
+def save_client_state(context: Context, client_state: dict[str, TensorDict]) -> None:
+    """Store the arrays for this client's next round in its ``Context.state`` (Flower keeps one
+    context per node and run, in simulation and deployment alike, across the messages it handles)."""
+    for key, arrays in client_state.items():
+        context.state[CLIENT_STATE_PREFIX + key] = array_record(arrays)
+
+
+class InjectedFault(RuntimeError):
+    """The failure ``debug.fail_partitions``/``debug.fail_rounds`` asks for (tests of failure handling)."""
+
+
+def inject_fault(cfg: Config, partition_id: int, server_round: int) -> None:
+    """Raise ``InjectedFault``, or sleep ``debug.hang_seconds`` when that is set, where the debug
+    config names this partition and round."""
+    debug = cfg.debug
+    if partition_id in debug.fail_partitions and server_round in debug.fail_rounds:
+        if debug.hang_seconds > 0:
+            time.sleep(debug.hang_seconds)
+            return
+        raise InjectedFault(f"partition {partition_id} fails in round {server_round} as configured "
+                            f"(debug.fail_partitions={debug.fail_partitions}, "
+                            f"debug.fail_rounds={debug.fail_rounds})")
+
+
+def kept_state(context: Context, config: ConfigRecord, partition_id: int) -> dict[str, TensorDict]:
+    """The client's kept arrays: from ``Context.state``, or, when that is empty in a resumed run,
+    from the checkpoint the server resumed from (fedact_app.checkpoint)."""
+    own_data = DATA_PATH_KEY in context.node_config  # its partition id is not unique: nothing persisted
+    return load_client_state(context) or ({} if own_data else restored_client_state(config, partition_id))
+
+
+def train_content(content: RecordDict, context: Context) -> RecordDict:
+    """The train handler's work on plain records: one local round, the reply's records."""
+    trainer, partition_id, num_partitions = node_trainer(context)
+    config = content["config"]
+    inject_fault(trainer.cfg, partition_id, int(config["server-round"]))
+    received = {key: record.to_torch_state_dict()
+                for key, record in content.array_records.items() if key != "model"}
+    started = time.perf_counter()
+    result = trainer.train_round(
+        content["model"].to_torch_state_dict(), received, partition_id=partition_id,
+        num_partitions=num_partitions, server_round=int(config["server-round"]),
+        lr=float(config["lr"]), local_steps=int(config["local-steps"]),
+        global_step=int(config["global-step"]), client_state=kept_state(context, config, partition_id))
+    train_seconds = time.perf_counter() - started  # the round's local work; it ends with copies to the CPU
+    kept = {f"{key}/{n}": t for key, arrays in result.client_state.items() for n, t in arrays.items()}
+    if diverged := non_finite(kept):  # its reply is rejected too; keep the state of its last good round
+        log(WARNING, "partition %d: the kept state holds non-finite values (%s); not kept",
+            partition_id, describe_names(diverged))
+    else:
+        save_client_state(context, result.client_state)
+        if DATA_PATH_KEY not in context.node_config:
+            persist_client_state(config, partition_id, result.client_state)
+    update = result.update
+    reply = RecordDict({"delta": array_record(update.delta)})
+    for key, arrays in update.arrays.items():
+        reply[key] = array_record(arrays)
+    # partition-id orders the server's sums and shows two nodes sharing one partition; a node
+    # with its own data-path (always partition 0 of 1) sends none
+    partition = {} if DATA_PATH_KEY in context.node_config else {"partition-id": partition_id}
+    reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
+                                     "lr-sum": update.lr_sum, "train-loss": result.loss,
+                                     "train-seconds": train_seconds, **partition, **result.diagnostics})
+    return reply
+
+
+SKIPPED = ErrorCode.MESSAGE_UNAVAILABLE  # a message this node did not work on: past its deadline or node busy
+
+
+def message_deadline(msg: Message, round_timeout: float) -> float:
+    """When the server stops waiting for this message's reply (Unix time): its ``created_at``
+    (the ServerApp's clock, just before the push) plus the smaller of its TTL and ``round_timeout``."""
+    return msg.metadata.created_at + min(msg.metadata.ttl, round_timeout)
+
+
+def run_round_timeout(context: Context) -> float:
+    """The run's ``round_timeout`` (seconds the server waits for a round's replies)."""
+    return _compose(str(context.run_config.get("overrides", ""))).round_timeout
+
+
+def handle(msg: Message, context: Context, work: Callable[[Message, Context], RecordDict]) -> Message:
+    """``work``'s reply, or an error reply without any work when the server no longer waits for one
+    (the message queued past its deadline behind other nodes' work) or this node is still busy with
+    an earlier message (hung or slow); either way the actor is free at once for the other nodes."""
+    round_timeout = run_round_timeout(context)
+    if (late := time.time() - message_deadline(msg, round_timeout)) > 0:
+        return Message(Error(SKIPPED, f"skipped: the message reached the node {late:.1f} s after its "
+                                      f"deadline (round_timeout={round_timeout:g} s)"), reply_to=msg)
+    with node_slot(msg.metadata.run_id, msg.metadata.dst_node_id) as free:
+        if not free:
+            return Message(Error(SKIPPED, "skipped: the node is still working on an earlier message"),
+                           reply_to=msg)
+        return Message(content=work(msg, context), reply_to=msg)
+
+
+def evaluate_content(msg: Message, context: Context) -> RecordDict:
+    """The evaluate handler's work: the local test metrics of the received model."""
+    trainer, partition_id, num_partitions = node_trainer(context)
+    metrics, num_examples = trainer.evaluate_local(msg.content["model"].to_torch_state_dict(),
+                                                   partition_id=partition_id, num_partitions=num_partitions)
+    record = MetricRecord({"num-examples": num_examples,
+                           **{key.replace("_", "-"): value for key, value in metrics.items()}})
+    return RecordDict({"metrics": record})
+
+
+WORK: dict[str, Callable[[Message, Context], RecordDict]] = {
+    "train": lambda msg, context: train_content(msg.content, context),
+    "evaluate": evaluate_content,
+}
+
+
+def prepare(context: Context) -> None:
+    """Build what this node's messages of the run will need (the trainer: task, model, optimizer)
+    and read the node's training data, ahead of its first message."""
+    trainer, partition_id, num_partitions = node_trainer(context)
+    trainer.task.describe_train_data(partition_id, num_partitions)
+
+
+def run_message(kind: str, msg: Message, context: Context) -> Message:
+    """The reply to a ``kind`` ("train" or "evaluate") message, worked on in this process."""
+    return handle(msg, context, WORK[kind])

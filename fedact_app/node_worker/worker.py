@@ -1,0 +1,134 @@
+"""The warm worker: serves one node's messages on a bound socket (``fedact_app.node_worker.serve``
+starts it).
+
+Each connection is served on a thread of its own with ``fedact_app.client_work.run_message``: the
+same reply as a cold ClientApp, including the node's one-message-at-a-time slot
+(``fedact_app.node_slot``), which answers a second message at once while the first still runs.
+A "prepare" request (sent with the node's identity query, before round 1's training message)
+builds the run's trainer and reads the node's data, with no reply; messages wait for it. The process keeps what ``run_message`` keeps between messages
+(the imports, the run's composed config, the ``ClientTrainer`` with its task, data, model and
+optimizer, a CUDA context), and nothing of the client's own: ``Context.state`` comes with every
+message and goes back with its reply.
+
+It ends, removing its socket, when the process it watches (its SuperNode) is gone, after
+``--idle`` seconds without a message, or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import traceback
+from logging import ERROR, INFO, WARNING
+from pathlib import Path
+
+from flwr.common import log
+
+from fedact_app.cli.procs import start_time
+from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, info_path, peer, recv_frames,
+                                            send_frames)
+
+WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
+
+
+class Worker:
+    """One node's and one run configuration's worker, serving the socket ``listener``."""
+
+    def __init__(self, listener: socket.socket, path: Path, key: str, label: str,
+                 watch: tuple[int, int], idle_timeout: float) -> None:
+        self.listener, self.path, self.key, self.label = listener, path, key, label
+        self.work = None  # fedact_app.client_work, imported by serve()
+        self.inode = os.stat(path).st_ino  # the socket file this worker made (a successor may replace it)
+        self.watch, self.idle_timeout = watch, idle_timeout
+        self.lock = threading.Lock()  # guards the counters below and the config's first composition
+        self.ready = threading.Lock()  # held while a "prepare" request builds the trainer
+        self.active, self.last_seen = 0, time.monotonic()
+
+    def serve(self) -> None:
+        """Accept connections until ``stop``; each on a thread of its own."""
+        from fedact_app import client_work  # torch, timm, Hydra: after the socket exists
+
+        self.work = client_work
+        threading.Thread(target=self._watch, daemon=True, name="watch").start()
+        log(INFO, "warm worker %s (pid %d) serving %s", self.label, os.getpid(), self.path)
+        while True:
+            conn, _ = self.listener.accept()
+            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.active += 1
+        try:
+            with conn:
+                peer(conn)
+                header, blobs = recv_frames(conn)
+                if header.get("key") != self.key:
+                    send_frames(conn, {"refused": f"the worker at {self.path} serves another run or node"})
+                    return
+                if header.get("kind") == PREPARE:
+                    self._prepare(blobs)
+                else:
+                    self._answer(conn, str(header.get("kind")), blobs)
+        except (ChannelClosed, UnsafeChannel, OSError, ValueError) as err:
+            log(WARNING, "warm worker %s: a connection ended without a reply (%s)", self.label, err)
+        finally:
+            with self.lock:
+                self.active -= 1
+                self.last_seen = time.monotonic()
+
+    def _prepare(self, blobs: list[bytes]) -> None:
+        """Build the run's trainer and read this node's data (``client_work.prepare``); errors
+        are left for the messages to meet and report."""
+        from flwr.common.serde import context_from_proto
+        from flwr.proto.message_pb2 import Context as ProtoContext
+
+        with self.ready, self.lock:
+            try:
+                self.work.prepare(context_from_proto(ProtoContext.FromString(blobs[0])))
+            except Exception as ex:  # noqa: BLE001
+                log(WARNING, "warm worker %s: preparing failed (%s); the messages will say why", self.label, ex)
+
+    def _answer(self, conn: socket.socket, kind: str, blobs: list[bytes]) -> None:
+        """Ack with the message's deadline, then the reply and the Context it leaves; where the
+        work raises, its exception's type and text instead, as a cold ClientApp would fail."""
+        from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
+        from flwr.proto.message_pb2 import Context as ProtoContext, Message as ProtoMessage
+
+        try:
+            msg = message_from_proto(ProtoMessage.FromString(blobs[0]))
+            context = context_from_proto(ProtoContext.FromString(blobs[1]))
+            with self.ready, self.lock:  # Hydra's composition is not thread-safe; later calls hit its cache
+                deadline = self.work.message_deadline(msg, self.work.run_round_timeout(context))
+            send_frames(conn, {"ack": True, "deadline": deadline})
+            reply = self.work.run_message(kind, msg, context)
+        except Exception as ex:  # noqa: BLE001 - the ClientApp process raises it for Flower to report
+            log(ERROR, "warm worker %s: %s", self.label, traceback.format_exc())
+            send_frames(conn, {"raised": f"{type(ex).__name__}: {ex}"})
+            return
+        send_frames(conn, {"reply": True}, message_to_proto(reply).SerializeToString(),
+                    context_to_proto(context).SerializeToString())
+
+    def _watch(self) -> None:
+        pid, started = self.watch
+        while True:
+            time.sleep(WATCH_EVERY)
+            if start_time(pid) != started:
+                self.stop(f"its SuperNode (pid {pid}) is gone")
+            with self.lock:
+                idle = time.monotonic() - self.last_seen if self.active == 0 else 0.0
+            if idle > self.idle_timeout:
+                self.stop(f"no message for {idle:.0f} s")
+
+    def stop(self, reason: str) -> None:
+        """Remove the socket, its description and its lock file (where the socket is still this
+        worker's: a successor may have replaced it), and exit."""
+        log(INFO, "warm worker %s (pid %d) ends: %s", self.label, os.getpid(), reason)
+        try:
+            if os.stat(self.path).st_ino == self.inode:
+                for path in (self.path, info_path(self.path), self.path.with_suffix(".lock")):
+                    path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os._exit(0)  # threads may be inside torch: nothing of theirs needs finishing

@@ -1,0 +1,263 @@
+"""The warm worker (fedact_app.node_worker) as the ClientApp process uses it, without Flower's
+processes: replies equal to the cold ones, its ends, its faults, and what it refuses.
+tests/test_deploy.py runs it through real SuperNodes."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
+
+from fedact_app import client_app, client_work
+from fedact_app.cli.procs import pid_alive, start_time
+from fedact_app.config import compose
+from fedact_app.node_config import switch, worker_idle_timeout
+from fedact_app.node_worker import channel, forward
+from fedact_app.tasks.vision.models import build_model
+
+pytestmark = pytest.mark.timeout(300)
+# SCAFFOLD: the client keeps c_i in its Context.state, which must travel to the worker and back
+RUN = "algorithm=scaffold num_clients=2 local_steps=3 batch_size=16"
+
+
+@pytest.fixture
+def workers(monkeypatch):
+    """A private worker folder of a short path (a socket path has at most 107 bytes); every worker
+    started in it is stopped afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="fw-"))
+    monkeypatch.setenv(channel.WORKER_DIR_ENV, str(folder / "w"))
+    yield folder / "w"
+    for info in (folder / "w").glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
+    for started in forward._STARTED:  # reaped here, not warned about at exit
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            started.wait(timeout=10)
+    forward._STARTED.clear()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def context(run_id=5, partition_id=0, overrides=RUN, **node_config):
+    return Context(run_id=run_id, node_id=100 + partition_id, state=RecordDict(),
+                   node_config={"partition-id": partition_id, "num-partitions": 2, **node_config},
+                   run_config={"overrides": overrides})
+
+
+def train_message(server_round, overrides=RUN, run_id=5, partition_id=0):
+    cfg = compose(overrides)
+    torch.manual_seed(server_round)
+    model = build_model(cfg.model, cfg.dataset)
+    trainable = [n for n, _ in model.named_parameters()]
+    x = model.state_dict()
+    c = {n: torch.full_like(x[n], 0.01 * server_round) for n in trainable}
+    metadata = Metadata(run_id=run_id, message_id=f"m{server_round}", src_node_id=0,
+                        dst_node_id=100 + partition_id, reply_to_message_id="", group_id=str(server_round),
+                        created_at=time.time(), ttl=43200.0, message_type="train")
+    content = RecordDict({"model": ArrayRecord(x), "c": ArrayRecord(c), "config": ConfigRecord(
+        {"server-round": server_round, "local-steps": 3, "lr": 0.05, "global-step": 3 * (server_round - 1)})})
+    return Message(metadata=metadata, content=content)
+
+
+def arrays(record_dict):
+    return {key: record.to_torch_state_dict() for key, record in record_dict.array_records.items()}
+
+
+def assert_same_reply(warm, cold):
+    assert not warm.has_error() and not cold.has_error(), (warm.error if warm.has_error() else cold.error)
+    a, b = arrays(warm.content), arrays(cold.content)
+    assert a.keys() == b.keys() == {"delta", "delta_c"}
+    for key in a:
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), (key, name)
+    wm, cm = dict(warm.content["metrics"]), dict(cold.content["metrics"])
+    assert wm.pop("train-seconds") >= 0 and cm.pop("train-seconds") >= 0
+    assert wm == cm
+    assert warm.metadata.reply_to_message_id == cold.metadata.reply_to_message_id
+
+
+def worker_pids(folder: Path) -> list[int]:
+    return sorted(json.loads(p.read_text())["pid"] for p in folder.glob("*.json"))
+
+
+def test_the_clientapp_imports_neither_torch_nor_timm_nor_hydra():
+    code = ("import sys, fedact_app.client_app; "
+            "print([m for m in ('torch', 'timm', 'hydra', 'fedact_app.client_work') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_warm_replies_and_kept_state_equal_the_cold_ones_round_after_round(workers):
+    warm, cold = context(), context()
+    forward.prepare(warm)
+    for server_round in (1, 2, 3):
+        warm_reply = forward.forward("train", train_message(server_round), warm)
+        cold_reply = client_work.run_message("train", train_message(server_round), cold)
+        assert_same_reply(warm_reply, cold_reply)
+        kept_warm, kept_cold = arrays(warm.state), arrays(cold.state)  # SCAFFOLD's c_i
+        assert kept_warm.keys() == kept_cold.keys() == {"client_state.c_i"}
+        for name, tensor in kept_warm["client_state.c_i"].items():
+            assert torch.equal(tensor, kept_cold["client_state.c_i"][name])
+    assert len(worker_pids(workers)) == 1  # one worker served all three rounds
+    ev_warm = forward.forward("evaluate", train_message(4), warm)
+    ev_cold = client_work.run_message("evaluate", train_message(4), cold)
+    assert dict(ev_warm.content["metrics"]) == dict(ev_cold.content["metrics"])
+
+
+def test_the_clientapp_falls_back_to_cold_where_the_folder_is_unsafe(workers, monkeypatch):
+    monkeypatch.setattr(forward, "wanted", lambda ctx: True)  # as in a flwr-clientapp process
+    workers.mkdir(mode=0o755)
+    os.chmod(workers, 0o755)
+    with pytest.raises(channel.UnsafeChannel, match=rf"{workers} has mode 755.*chmod 700 {workers}"):
+        channel.private_dir()
+    reply = client_app.train(train_message(1), context())
+    assert_same_reply(reply, client_work.run_message("train", train_message(1), context()))
+    assert not list(workers.iterdir())  # no worker, no socket
+
+    os.chmod(workers, 0o700)
+    monkeypatch.setattr(os, "getuid", lambda: 4242)
+    with pytest.raises(channel.UnsafeChannel, match=rf"{workers} belongs to uid \d+, not to this user \(uid 4242\)"):
+        channel.private_dir()
+
+
+def test_a_link_a_file_or_a_foreign_socket_is_refused_naming_its_path(workers, monkeypatch):
+    target = workers.parent / "elsewhere"
+    target.mkdir(mode=0o700)
+    workers.symlink_to(target)
+    with pytest.raises(channel.UnsafeChannel, match=f"{workers} is not a folder"):
+        channel.private_dir()
+    workers.unlink()
+    workers.mkdir(mode=0o700)
+    fake = workers / "fake.sock"
+    fake.write_text("")
+    with pytest.raises(channel.UnsafeChannel, match=f"{fake} is not a socket"):
+        channel.check_socket(fake)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(workers / "real.sock"))
+    monkeypatch.setattr(os, "getuid", lambda: 4242)
+    with pytest.raises(channel.UnsafeChannel, match=f"{workers / 'real.sock'} belongs to uid"):
+        channel.check_socket(workers / "real.sock")
+    listener.close()
+
+
+def test_two_runs_on_one_node_get_two_workers_and_a_request_for_another_is_refused(workers):
+    first, second = context(run_id=5), context(run_id=6)
+    for ctx, run_id in ((first, 5), (second, 6)):
+        reply = forward.forward("train", train_message(1, run_id=run_id), ctx)
+        assert not reply.has_error(), reply.error
+    assert len(worker_pids(workers)) == 2
+    (sock_path, *_) = sorted(workers.glob("*.sock"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(sock_path))
+        channel.send_frames(sock, {"key": "another-run", "kind": "train"}, b"", b"")
+        header, _ = channel.recv_frames(sock)
+    assert "serves another run or node" in header["refused"]
+
+
+def test_a_worker_killed_mid_message_fails_that_message_and_the_next_starts_a_new_one(workers):
+    hang = f"{RUN} debug.fail_partitions=[0] debug.fail_rounds=[1] debug.hang_seconds=60"
+    warm, cold = context(overrides=hang), context(overrides=hang)
+    forward.forward("train", train_message(2, hang), warm)  # a worker, warm
+    client_work.run_message("train", train_message(2, hang), cold)
+    (first,) = worker_pids(workers)
+    outcome = {}
+
+    def round_one():
+        try:
+            outcome["reply"] = forward.forward("train", train_message(1, hang), warm)
+        except forward.WorkerLost as err:
+            outcome["lost"] = str(err)
+
+    thread = threading.Thread(target=round_one)
+    thread.start()
+    time.sleep(2.0)  # the worker sleeps in the message (debug.hang_seconds)
+    os.kill(first, signal.SIGKILL)
+    thread.join(timeout=30)
+    assert f"warm worker (pid {first}) ended while working on the message" in outcome.get("lost", ""), outcome
+    assert list(workers.glob("*.sock"))  # the killed worker's socket file is left: stale
+    reply = forward.forward("train", train_message(3, hang), warm)
+    assert_same_reply(reply, client_work.run_message("train", train_message(3, hang), cold))
+    (second,) = [pid for pid in worker_pids(workers) if pid_alive(pid)]
+    assert second != first
+
+
+def test_a_hung_worker_is_stopped_after_the_messages_deadline(workers, monkeypatch):
+    monkeypatch.setattr(forward, "REPLY_GRACE", 0.5)
+    hang = f"{RUN} round_timeout=4 debug.fail_partitions=[0] debug.fail_rounds=[1] debug.hang_seconds=60"
+    started = time.monotonic()
+    with pytest.raises(forward.WorkerLost, match="still working on the message 0.5 s after its deadline"):
+        forward.forward("train", train_message(1, hang), context(overrides=hang))
+    assert time.monotonic() - started < 30
+    time.sleep(0.5)
+    assert not any(pid_alive(pid) for pid in worker_pids(workers))
+
+
+def serve(folder: Path, watch_pid: int, idle: float) -> tuple[subprocess.Popen, Path]:
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / "w.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "fedact_app.node_worker.serve", "--socket", str(path),
+                             "--key", "k", "--run-id", "1", "--node-id", "2", "--watch-pid", str(watch_pid),
+                             "--watch-start", str(start_time(watch_pid)), "--idle", str(idle)])
+    deadline = time.monotonic() + 30
+    while not channel.info_path(path).exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    return proc, path
+
+
+def test_a_worker_ends_with_its_supernode_and_after_its_idle_time(workers):
+    supernode = subprocess.Popen(["sleep", "120"])
+    proc, path = serve(workers, supernode.pid, idle=600)
+    supernode.kill()
+    supernode.wait()
+    assert proc.wait(timeout=15) == 0
+    assert not path.exists() and not channel.info_path(path).exists()
+
+    proc, path = serve(workers, os.getpid(), idle=1.0)
+    assert proc.wait(timeout=15) == 0
+    assert not path.exists()
+
+
+def test_a_second_worker_for_a_taken_socket_leaves_the_first_serving(workers):
+    proc, path = serve(workers, os.getpid(), idle=600)
+    second = subprocess.run([sys.executable, "-m", "fedact_app.node_worker.serve", "--socket", str(path),
+                             "--key", "k", "--run-id", "1", "--node-id", "2", "--watch-pid", str(os.getpid()), "--watch-start",
+                             str(start_time(os.getpid())), "--idle", "600"], capture_output=True, text=True,
+                            timeout=60)
+    assert second.returncode == 0 and "not started" in second.stderr
+    assert proc.poll() is None and path.exists()
+    proc.terminate()
+    assert proc.wait(timeout=15) == 0 and not path.exists()  # SIGTERM: it removes its socket
+
+
+def test_the_switches_and_the_idle_time_are_checked(monkeypatch):
+    assert not forward.wanted(context())  # not a flwr-clientapp process: simulation, tests
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/flwr-clientapp", "--token", "t"])
+    assert forward.wanted(context())
+    assert not forward.wanted(context(**{"warm-worker": False}))
+    assert not forward.wanted(context(**{"warm-worker": "off"}))
+    monkeypatch.setenv(forward.WARM_WORKER_ENV, "0")
+    assert not forward.wanted(context())
+    monkeypatch.setenv(forward.WARM_WORKER_ENV, "maybe")
+    with pytest.raises(ValueError, match="FEDACT_WARM_WORKER='maybe': expected true/false"):
+        forward.wanted(context())
+    assert switch(1, "x") and not switch("No", "x")
+    assert worker_idle_timeout({}) == 600.0 and worker_idle_timeout({"warm-worker-idle": 30}) == 30.0
+    for bad in (0, -1, "soon", float("inf")):
+        with pytest.raises(ValueError, match="warm-worker-idle=.*expected a number of seconds > 0"):
+            worker_idle_timeout({"warm-worker-idle": bad})
+
+
+def test_a_socket_path_too_long_is_refused_with_the_setting_to_change(tmp_path):
+    with pytest.raises(ValueError, match=f"longer than a Unix socket path may be.*{channel.WORKER_DIR_ENV}"):
+        channel.socket_path(tmp_path / ("x" * 120), "k" * 32)
