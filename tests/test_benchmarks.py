@@ -108,3 +108,11 @@ def test_bench_run_floor_rows_put_the_plain_loops_rounds_in_place_of_the_floors(
                                 ("   floor + plain + wait: fixed cost per job", "0.2", None)]:
         tail = "" if ratio is None else rf" +{ratio}x"
         assert re.search(rf"^{re.escape(row)} +{re.escape(seconds)}{tail}$", out, re.M), (row, out)
+
+
+@pytest.mark.e2e
+def test_bench_deploy_quick_prints_each_modes_rounds_and_the_gap_to_the_floor():
+    out = run_script("bench_deploy.py", "--quick", "--modes", "floor,warm", timeout=600)
+    for mode in ("floor", "warm"):
+        assert re.search(rf"^\| {mode} \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d \|$", out, re.M), (mode, out)
+    assert re.search(r"^warm - floor: median round [+-]\d+\.\d\d s, round 1 [+-]\d+\.\d\d s$", out, re.M), out
