@@ -96,12 +96,18 @@ def worker_key(identity: Mapping[str, object]) -> str:
 
 
 def socket_path(directory: Path, key: str) -> Path:
-    """Where the worker named ``key`` listens; ValueError where the path is too long for a socket."""
+    """Where the worker named ``key`` listens; ValueError where the path, or the name the worker
+    binds first (``bind_name``), is too long for a socket."""
     path = directory / f"{key}.sock"
-    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+    if len(os.fsencode(bind_name(path, 4194304))) > SOCKET_PATH_MAX:  # Linux's largest pid_max
         raise ValueError(f"{path} is longer than a Unix socket path may be ({SOCKET_PATH_MAX} bytes): "
                          f"set {WORKER_DIR_ENV} to a shorter folder")
     return path
+
+
+def bind_name(socket: Path, pid: int) -> Path:
+    """The name a worker binds and starts listening on before it links ``socket`` to it."""
+    return socket.with_name(f"{socket.stem}.{pid}.new")
 
 
 def info_path(socket: Path) -> Path:

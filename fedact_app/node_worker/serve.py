@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedact_app.node_worker.channel import info_path
+from fedact_app.node_worker.channel import bind_name, info_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     # bound and listening under a name of its own, then linked to the socket's name: a client never
     # meets the name bound but not yet listening (it would take it for a dead worker's)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    own_name = args.socket.with_name(f"{args.socket.stem}.{os.getpid()}.new")
+    own_name = bind_name(args.socket, os.getpid())
     listener.bind(str(own_name))
     os.chmod(own_name, 0o600)
     listener.listen(16)
