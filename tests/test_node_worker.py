@@ -164,7 +164,7 @@ def test_two_runs_on_one_node_get_two_workers_and_a_request_for_another_is_refus
     assert "serves another run or node" in header["refused"]
 
 
-def test_a_worker_killed_mid_message_fails_that_message_and_the_next_starts_a_new_one(workers):
+def test_a_worker_killed_mid_message_fails_that_message_and_the_next_starts_a_new_one(workers, monkeypatch):
     hang = f"{RUN} debug.fail_partitions=[0] debug.fail_rounds=[1] debug.hang_seconds=60"
     warm, cold = context(overrides=hang), context(overrides=hang)
     forward.forward("train", train_message(2, hang), warm)  # a worker, warm
@@ -178,9 +178,19 @@ def test_a_worker_killed_mid_message_fails_that_message_and_the_next_starts_a_ne
         except forward.WorkerLost as err:
             outcome["lost"] = str(err)
 
+    taken = threading.Event()  # the worker acknowledged the message: it is working on it
+
+    def recv_and_tell(sock):
+        frames = receive(sock)
+        taken.set()
+        return frames
+
+    receive = forward.recv_frames
+    monkeypatch.setattr(forward, "recv_frames", recv_and_tell)
     thread = threading.Thread(target=round_one)
     thread.start()
-    time.sleep(2.0)  # the worker sleeps in the message (debug.hang_seconds)
+    assert taken.wait(timeout=60)
+    time.sleep(0.5)  # in the message's debug.hang_seconds
     os.kill(first, signal.SIGKILL)
     thread.join(timeout=30)
     assert f"warm worker (pid {first}) ended while working on the message" in outcome.get("lost", ""), outcome
@@ -194,9 +204,11 @@ def test_a_worker_killed_mid_message_fails_that_message_and_the_next_starts_a_ne
 def test_a_hung_worker_is_stopped_after_the_messages_deadline(workers, monkeypatch):
     monkeypatch.setattr(forward, "REPLY_GRACE", 0.5)
     hang = f"{RUN} round_timeout=4 debug.fail_partitions=[0] debug.fail_rounds=[1] debug.hang_seconds=60"
+    warm = context(overrides=hang)
+    assert not forward.forward("train", train_message(2, hang), warm).has_error()  # started, warm
     started = time.monotonic()
     with pytest.raises(forward.WorkerLost, match="still working on the message 0.5 s after its deadline"):
-        forward.forward("train", train_message(1, hang), context(overrides=hang))
+        forward.forward("train", train_message(1, hang), warm)
     assert time.monotonic() - started < 30
     time.sleep(0.5)
     assert not any(pid_alive(pid) for pid in worker_pids(workers))
