@@ -284,11 +284,11 @@ def test_second_moments_are_the_live_v_aligned_with_params():
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("selector", ["numpy", "torch.topk"])
+@pytest.mark.parametrize("selector", ["numpy", "radix"])
 def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, path, selector, monkeypatch):
     """Gradients with 70 % exact zeros: s = 0 there, the threshold falls inside the zeros.
-    On CPU the threshold comes from numpy; without numpy (and off CPU) from torch.topk."""
-    if selector == "torch.topk":
+    On CPU the threshold comes from numpy; without numpy (and off CPU) from the radix select."""
+    if selector == "radix":
         monkeypatch.setattr(topk, "np", None)
     kw = dict(lr=1e-2, weight_decay=0.0, rho=0.5, tau=0.5, trust_scope=trust_scope, **PATHS[path])
     params = make_params(shapes=[(9, 5), (11,), (4, 3)])  # d = 68, odd per-tensor sizes
@@ -748,30 +748,40 @@ def test_sparse_gradients_raise():
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 def test_device_selection_matches_reference(trust_scope, monkeypatch):
-    """The selection used off CPU (torch.topk of the smaller side), run here on CPU by hiding numpy."""
+    """The selection used off CPU (the radix select over the scores' bytes), run here on CPU by
+    hiding numpy."""
     monkeypatch.setattr(topk, "np", None)
     run_against_reference({**BASE, "trust_scope": trust_scope, "tau": 0.3},
                           rounds_kwargs=dict(zero_frac=0.2))
 
 
-@pytest.mark.parametrize("tau", [0.3, 0.7])
-def test_device_selection_writes_top_k_into_buffers_made_once(tau, monkeypatch):
-    """The device path's torch.topk takes the smaller side, min(k, d - k + 1) scores, into
-    buffers made at the first step and reused at every later one (no d-sized allocation a step)."""
+@pytest.mark.parametrize("second_dtype", [torch.float64, torch.float32], ids=["lends", "own-scratch"])
+def test_device_selection_scratch_is_the_direction_buffer_when_dtypes_agree(second_dtype, monkeypatch):
+    """Without numpy (as off CPU) the selection needs an integer scratch of d entries. When every
+    scored direction has the scores' dtype it is their flat direction buffer, made once, and u is
+    computed again after the selection; with float64 scores and a float32 run, a buffer of its
+    own. Both follow the reference."""
     monkeypatch.setattr(topk, "np", None)
-    params = make_params(shapes=[(9, 5), (11,)])  # d = 56
-    opt = FedACTAdamW(params, **{**BASE, "tau": tau})
-    gen = torch.Generator().manual_seed(3)
-    storages = []
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        opt.step()
-        ((selector, _),) = opt._workspace.selections(opt.param_groups)
-        values, indices = selector._top_k
-        storages.append((values.data_ptr(), indices.data_ptr()))
-    assert values.numel() == indices.numel() == {0.3: 16, 0.7: 18}[tau]  # k = 16; d - k + 1 = 56 - 39 + 1
-    assert len(set(storages)) == 1
+    params = make_params(shapes=[(9, 5), (11,)])
+    params[1] = params[1].detach().to(second_dtype).requires_grad_()
+    ref = Reference(params, hyper_of(BASE, len(params)), **trust_of(BASE))
+    opt = FedACTAdamW(params, **BASE)
+    scratches = set()
+    for v_bar, delta_g, gs, grads in make_rounds(params, global_steps=[0, 7], zero_frac=0.3):
+        opt.begin_round(v_bar, delta_g, gs)
+        ref.begin_round(v_bar, delta_g, gs)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+            ref.step(step_grads)
+            ((selector, _),) = opt._workspace.selections(opt.param_groups)
+            scratches.add(selector.device.scratch.data_ptr())
+    assert_matches(params, ref, rtol=1e-5, atol=1e-6)
+    lends = second_dtype == torch.float64
+    assert len(scratches) == 1
+    assert (scratches == {opt._workspace.runs[0].direction.data_ptr()}) == lends
+    assert all(run.lends_direction == lends for run in opt._workspace.runs)
 
 
 # ---------------------------------------------------------------------- fast paths (docs/PERFORMANCE.md)
@@ -897,7 +907,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 @pytest.mark.parametrize("fused", [None, True])
 def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope, fused):
-    """The CUDA path (torch.topk of the smaller side, the tie-break on the device; eager
+    """The CUDA path (the radix select and its tie-break on the device; eager
     operations by default, torch's fused kernels with fused=True) against the float64 reference
     loop on the CPU, with 30 % zero gradients (ties at the threshold); every step runs under
     torch.cuda.set_sync_debug_mode("error"), which raises at a host sync."""
@@ -923,9 +933,8 @@ def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_sco
 
 @needs_cuda
 def test_cuda_step_allocates_nothing_d_sized_after_the_first():
-    """After the first step (state, scratch, topk buffers), a step allocates less than d/2 bytes
-    at its peak (d = 2^22 + 1000): no d-sized temporary, not even a bool one. torch.topk's own
-    scratch (per-block digit counts, about one wave of blocks: ~0.4 MB on an H100) fits below."""
+    """After the first step (state and scratch), a step allocates less than d/2 bytes at its
+    peak (d = 2^22 + 1000): no d-sized temporary, not even a bool one."""
     params = [torch.randn(2048, 2048, device="cuda", requires_grad=True),
               torch.randn(1000, device="cuda", requires_grad=True)]
     opt = FedACTAdamW(params, **{**BASE, "tau": 0.3})

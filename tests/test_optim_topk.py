@@ -29,7 +29,7 @@ def _host_and_device_top_k(s, k, on_host, monkeypatch=None):
     return top_k_indicator_(s, k)
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-topk"])
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-radix"])
 @pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "signed zeros", "all equal"])
 def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
     """Above _BRACKET_MIN (sample, bracket, exact count, chunks on threads) and on the device path:
@@ -80,7 +80,7 @@ def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
     assert finished == [1]  # the other thread's run had ended before the error came out
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-topk"])
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-radix"])
 def test_top_k_indicator_on_small_tensors_of_every_dtype(on_host, monkeypatch):
     """The public function on small 1-D tensors (one np.partition, no bracket), float32 and
     float64, with ties, for every k from 0 to d."""
@@ -115,8 +115,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "all equal"])
 def test_cuda_selection_on_a_large_segment_is_exact(kind):
-    """torch.topk's multi-block path (one slice of 2^20 + 3 scores) with the device tie-break:
-    exactly floor(tau*d) ones, ties to the lowest index, as a stable sort on the CPU."""
+    """The radix select on one segment of 2^20 + 3 scores with the device tie-break: exactly
+    floor(tau*d) ones, ties to the lowest index, as a stable sort on the CPU."""
     d = (1 << 20) + 3
     gen = torch.Generator().manual_seed(7)
     s = {"normal": lambda: torch.randn(d, generator=gen),
