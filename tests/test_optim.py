@@ -5,11 +5,13 @@ loop over the parameters, top-k by a stable descending sort. It never calls feda
 """
 
 import copy
+import gc
 import math
 import subprocess
 import sys
 import textwrap
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -737,6 +739,20 @@ def test_fused_true_where_the_kernels_cannot_run_warns_once_per_reason():
     params[0].grad = torch.ones_like(params[0])
     with pytest.warns(RuntimeWarning, match=r"fused=True.*update of torch.bfloat16"):
         FedACTAdamW(params, **BASE, fused=True).step()
+
+
+def test_a_step_keeps_no_reference_to_the_gradients():
+    """After step() the optimizer holds no gradient: zero_grad(set_to_none=True) frees them
+    before the next backward allocates new ones, which would otherwise coexist with the old."""
+    params = make_params(dtype=torch.float32)
+    opt = FedACTAdamW(params, **BASE)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    grads = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(g() is None for g in grads)
 
 
 def test_sparse_gradients_raise():

@@ -51,6 +51,7 @@ def fedact_step(runs: Sequence[Run], selections: Sequence[tuple[TopKSelector, li
     phi_scale = _modulate(selections, [run for run, _ in scored])
     for run, (u_scale, _) in zip(runs, scales):
         _update(run, u_scale * (phi_scale if run.scores is not None else 1.0))
+        run.grads = None  # the caller may free them (zero_grad) before the next backward
 
 
 def _direction(run: Run, local_step: int, global_step: int) -> tuple[float, float]:
