@@ -43,6 +43,7 @@ APP_DIR = Path(__file__).resolve().parents[1]
 if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -82,8 +83,8 @@ def start_round(opt: torch.optim.Optimizer, params: list[torch.Tensor], seed: in
 
 
 def held_bytes(opt: torch.optim.Optimizer, exclude: list[torch.Tensor]) -> int:
-    """Bytes of every tensor reachable from the optimizer (state and scratch), each storage once,
-    without the parameters and gradients in ``exclude``."""
+    """Bytes of every tensor and numpy array reachable from the optimizer (state and scratch),
+    each storage once, without the parameters and gradients in ``exclude``."""
     seen = {t.untyped_storage().data_ptr() for t in exclude}
     total, stack, visited = 0, [vars(opt)], set()
     while stack:
@@ -96,6 +97,8 @@ def held_bytes(opt: torch.optim.Optimizer, exclude: list[torch.Tensor]) -> int:
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
+        elif isinstance(obj, np.ndarray):
+            total += obj.nbytes if obj.base is None else 0  # views of tensors are counted there
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set)):

@@ -48,6 +48,32 @@ def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
         assert torch.equal(_host_and_device_top_k(s.clone(), k, on_host, monkeypatch), _stable_top_k(s, k)), tau
 
 
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-radix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segmented_selection_is_exact_in_every_segment(on_host, dtype, monkeypatch):
+    """One selection over segments (as trust_scope="tensor" cuts the flat scores): every segment
+    j gets exactly its k_j largest, ties to its lowest index, as a stable sort of that segment
+    alone; empty segments, k = 0 and k = size, ties (signed zeros included) and tiny values."""
+    if not on_host:
+        monkeypatch.setattr(topk, "np", None)
+    gen = torch.Generator().manual_seed(2)
+    for trial in range(60):
+        sizes = torch.randint(0, 40, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        d = bounds[-1]
+        s = [lambda: torch.randn(d, generator=gen),
+             lambda: torch.randint(-2, 3, (d,), generator=gen).float(),
+             lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.6) * torch.tensor([1.0, -1.0]).repeat(d)[:d],
+             lambda: torch.randn(d, generator=gen).exp() * 1e-30][trial % 4]().to(dtype)
+        ks = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in sizes]
+        top = s.clone()
+        topk.TopKSelector(top, bounds).indicator_(ks)
+        expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
+        assert torch.equal(top, expected), (trial, sizes, ks)
+
+
 def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
     """The host selection's thread map: results in item order, the items cut into one run of
     consecutive items per thread by their sizes, the calling thread working too."""

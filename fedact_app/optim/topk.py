@@ -44,7 +44,7 @@ _BRACKET_MIN = 1 << 21  # below this many scores one np.partition is as fast as 
 # 1 % of the steps (a retry twice as wide then runs), against a narrower band to extract every step
 _BRACKET_Z = 2.5
 _HOST_CHUNK = 1 << 19  # scores per task: the passes over one chunk stay in cache
-_TIE_CHUNK = 1 << 20  # scan length when looking for where a straddling tie is cut
+_TIE_CHUNK = 1 << 16  # scan length when looking for where a straddling tie is cut (its index list: 8x)
 
 
 def top_k_indicator_(scores: Tensor, k: int) -> Tensor:
