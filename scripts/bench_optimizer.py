@@ -12,9 +12,9 @@ side by side, ``step()`` of
 - ``FedACT global`` — ``FedACTAdamW`` with its defaults (exact global top-floor(tau*d));
 - ``FedACT tensor`` — ``trust_scope="tensor"``;
 - ``FedAdamW`` — ``trust_signal="none"``;
-- ``FedACT unfused`` (CPU) / ``FedACT fused`` (CUDA) — the defaults with the other setting of
-  ``fused`` (torch's fused AdamW/SGD kernels for m, v, u and the update: on by default for CPU
-  parameters, opt-in on CUDA), the comparison that decides that default;
+- ``FedACT unfused`` — the defaults with ``fused=False`` (without torch's fused AdamW/SGD
+  kernels for m, v, u and the update, which are on by default for CPU and CUDA parameters),
+  the comparison that decides that default;
 - with ``--compile``, ``FedACT compiled`` — the defaults with ``compile=True``.
 
 Every optimizer owns a copy of the parameters with fixed random gradients; the FedACT ones start
@@ -65,9 +65,7 @@ def optimizers(device: torch.device, compiled: bool = False
     }
     if device.type == "cuda":
         makers["AdamW fused"] = lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01, fused=True)
-        makers["FedACT fused"] = lambda ps: FedACTAdamW(ps, lr=3e-4, fused=True)
-    else:
-        makers["FedACT unfused"] = lambda ps: FedACTAdamW(ps, lr=3e-4, fused=False)
+    makers["FedACT unfused"] = lambda ps: FedACTAdamW(ps, lr=3e-4, fused=False)
     if compiled:
         makers["FedACT compiled"] = lambda ps: FedACTAdamW(ps, lr=3e-4, compile=True)
     return makers

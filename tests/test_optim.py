@@ -166,7 +166,7 @@ def run_against_reference(opt_kwargs, *, dtype=torch.float64, rounds_kwargs=None
 BASE = dict(lr=1e-2, weight_decay=0.1, rho=0.5, tau=0.5)
 
 # The implementations of m, v, u and the parameter update: a loop over tensors, torch._foreach_*,
-# and torch's fused AdamW / SGD kernels (the default for CPU parameters).
+# and torch's fused AdamW / SGD kernels (the default for CPU and CUDA parameters).
 PATHS = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
          "fused": dict(fused=True)}
 
@@ -421,15 +421,21 @@ def test_foreach_and_single_tensor_paths_agree(trust_scope, trust_signal):
         assert torch.equal(a, b)  # the same elementary ops in the same order
 
 
-def test_fused_kernels_are_the_default_for_cpu_parameters(monkeypatch):
-    """fused=None runs torch's fused AdamW and SGD kernels on CPU (counted through wrappers that
-    call the real kernels), once per run of parameters and step; fused=False never does."""
+def count_fused_kernel_calls(monkeypatch):
+    """Counts of torch's fused AdamW and SGD kernel calls, through wrappers that call the real ones."""
     calls = {"_fused_adamw_": 0, "_fused_sgd_": 0}
     for name in calls:
         def counting(*args, _real=getattr(torch, name), _name=name, **kwargs):
             calls[_name] += 1
             return _real(*args, **kwargs)
         monkeypatch.setattr(torch, name, counting)
+    return calls
+
+
+def test_fused_kernels_are_the_default_for_cpu_parameters(monkeypatch):
+    """fused=None runs torch's fused AdamW and SGD kernels on CPU, once per run of parameters and
+    step; fused=False never does."""
+    calls = count_fused_kernel_calls(monkeypatch)
     for fused, expected in ((None, 6), (False, 0)):
         calls.update(dict.fromkeys(calls, 0))
         run_against_reference({**BASE, "fused": fused})  # 2 rounds x 3 steps, one run
@@ -1036,10 +1042,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-@pytest.mark.parametrize("fused", [None, True])
+@pytest.mark.parametrize("fused", [None, False])
 def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope, fused):
-    """The CUDA path (the radix select and its tie-break on the device; eager
-    operations by default, torch's fused kernels with fused=True) against the float64 reference
+    """The CUDA path (the radix select and its tie-break on the device; torch's fused kernels
+    by default, the eager operations with fused=False) against the float64 reference
     loop on the CPU, with 30 % zero gradients (ties at the threshold); every step runs under
     torch.cuda.set_sync_debug_mode("error"), which raises at a host sync."""
     kw = {**BASE, "trust_scope": trust_scope, "fused": fused}
@@ -1060,6 +1066,20 @@ def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_sco
                 torch.cuda.set_sync_debug_mode("default")
             ref.step(step_grads)
     assert_matches([p.cpu() for p in on_gpu], ref)
+
+
+@needs_cuda
+def test_cuda_fused_kernels_are_the_default(monkeypatch):
+    """fused=None runs torch's fused AdamW and SGD kernels for CUDA parameters too (the faster
+    setting there, docs/PERFORMANCE.md); fused=False does not."""
+    calls = count_fused_kernel_calls(monkeypatch)
+    for fused, expected in ((None, 1), (False, 0)):
+        calls.update(dict.fromkeys(calls, 0))
+        params = [p.detach().cuda().requires_grad_() for p in make_params(dtype=torch.float32)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        FedACTAdamW(params, **BASE, fused=fused).step()
+        assert calls == {"_fused_adamw_": expected, "_fused_sgd_": expected}, fused
 
 
 @needs_cuda
