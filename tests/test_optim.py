@@ -801,7 +801,7 @@ def test_device_selection_scratch_is_the_direction_buffer_when_dtypes_agree(seco
             opt.step()
             ref.step(step_grads)
             ((selector, _),) = opt._workspace.selections(opt.param_groups)
-            scratches.add(selector.device.scratch.data_ptr())
+            scratches.add(selector.radix.scratch.data_ptr())
     assert_matches(params, ref, rtol=1e-5, atol=1e-6)
     lends = second_dtype == torch.float64
     assert len(scratches) == 1

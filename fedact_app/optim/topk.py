@@ -12,9 +12,9 @@ of segments:
 - on the host (CPU tensors, numpy present): per segment, a fixed random sample brackets the
   threshold T (the k-th largest score), one pass counts the scores above the bracket and extracts
   those inside it, ``np.partition`` of the extracted ones gives T, and numpy writes the indicator
-  in place (:meth:`TopKSelector._indicator_on_host`); the work runs on torch's threads
+  in place (:meth:`TopKSelector.indicator_`); the work runs on torch's threads
   (:func:`host_map`). The scratch is one chunk per thread, not d-sized;
-- elsewhere (CUDA; CPU without numpy), :func:`_indicator_on_device`: a radix select over the
+- elsewhere (CUDA; CPU without numpy), :class:`_RadixSelect`: a radix select over the
   bit patterns of the scores, one byte a pass, with one histogram per segment, then the tie-break
   by a running count: about 130 tensor operations for any number of segments, one integer scratch
   of d entries, nothing that waits for the device and no d-sized temporary.
@@ -78,7 +78,9 @@ class TopKSelector:
     It keeps what the step must not allocate again: on the device, the integer scratch of d
     entries (int32 for float32 scores, int64 for float64) and the small per-segment tensors; on
     the host, the fixed random sample of every segment of at least ``_BRACKET_MIN`` scores (the
-    chunk scratch lives per thread, :func:`_chunk_scratch`).
+    chunk scratch lives per thread, :func:`_chunk_scratch`). ``scratch``: d elements as wide as
+    the scores for the device engine's codes (the flat direction buffer, layout.py), or ``None``
+    for a buffer of its own.
     """
 
     def __init__(self, scores: Tensor, bounds: Sequence[int], scratch: Optional[Tensor] = None) -> None:
@@ -91,9 +93,10 @@ class TopKSelector:
             self.draws = [0] * (len(self.bounds) - 1)  # samples drawn per segment; a miss draws anew
             self.samples = [self.draw_sample(j) for j in range(len(self.draws))]
         else:
-            self.device = _RadixSelect(scores, self.bounds, scratch)
+            self.radix = _RadixSelect(scores, self.bounds, scratch)
 
     def sizes(self) -> list[int]:
+        """The number of scores in every segment."""
         return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
 
     def draw_sample(self, j: int) -> Optional["np.ndarray"]:
@@ -114,7 +117,7 @@ class TopKSelector:
         if len(ks) != len(self.bounds) - 1 or any(not 0 <= k <= n for k, n in zip(ks, self.sizes())):
             raise ValueError(f"Invalid ks: {list(ks)} for segments of {self.sizes()} scores")
         if not self.on_host:
-            self.device.indicator_(ks)
+            self.radix.indicator_(ks)
             return
         scores = self.scores.numpy()  # once: every conversion is four tensor operations
         if host_threshold is not None:
