@@ -76,12 +76,14 @@ class Run:
 
     Buffers (made once per layout): ``exp_avg``, ``exp_avg_sq`` and ``delta_g_buffer`` are flat
     buffers of the state (the parameters' state tensors are their views); ``direction`` is the
-    flat scratch for u (the denominator or Delta_G first, then u / u_scale); ``scores`` is this
+    flat scratch for u (the denominator or Delta_G first, then u / u_scale), a slice of one buffer
+    per device when the device selection borrows it (``lends_direction``); ``scores`` is this
     run's slice of its device's score buffer (``None`` for a group without trust signal: s, then
     phi); ``kernel_step`` holds the global step t for torch's fused AdamW kernel.
 
-    Per step, :meth:`prepare` sets ``grads`` and the group's settings (``lr``, ``beta1``, ...,
-    ``delta_g``: the flat Delta_G, or ``None`` when the round has none or ``rho == 0``).
+    Per step, :meth:`prepare` sets ``grads`` (dropped when the step ends) and the group's
+    settings (``lr``, ``beta1``, ..., ``delta_g``: the flat Delta_G, or ``None`` when the round
+    has none or ``rho == 0``).
     """
 
     def __init__(self, group: int, params: list[Tensor], scored: bool, state: dict) -> None:
