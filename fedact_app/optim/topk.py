@@ -11,9 +11,9 @@ of segments:
 
 - on the host (CPU tensors, numpy present): per segment, a fixed random sample brackets the
   threshold T (the k-th largest score), one pass counts the scores above the bracket and extracts
-  those inside it, ``np.partition`` of the extracted ones gives T, and numpy writes the indicator
-  in place (:meth:`TopKSelector.indicator_`); the work runs on torch's threads
-  (:func:`host_map`). The scratch is one chunk per thread, not d-sized;
+  those inside it, and ``np.partition`` of the extracted ones gives T; numpy writes the indicator
+  of several segments in place, torch's comparisons that of one (:meth:`TopKSelector.indicator_`).
+  The work runs on torch's threads (:func:`host_map`); the scratch is one chunk per thread;
 - elsewhere (CUDA; CPU without numpy), :class:`_RadixSelect`: a radix select over the
   bit patterns of the scores, one byte a pass, with one histogram per segment, then the tie-break
   by a running count: about 130 tensor operations for any number of segments, one integer scratch
@@ -119,25 +119,27 @@ class TopKSelector:
         if not self.on_host:
             self.radix.indicator_(ks)
             return
+        if len(ks) == 1:  # one segment: torch's comparisons, on its threads, are 3x numpy's here
+            s, k = self.scores, ks[0]
+            if k in (0, s.numel()):
+                s.fill_(1.0 if k else 0.0)
+                return
+            threshold, cut = host_threshold or self.threshold_on_host(k)
+            torch.ge(s[:cut], threshold, out=s[:cut])
+            torch.gt(s[cut:], threshold, out=s[cut:])
+            return
         scores = self.scores.numpy()  # once: every conversion is four tensor operations
-        if host_threshold is not None:
-            _indicate_in_chunks(scores, *host_threshold)
-        elif len(ks) == 1:
-            self._segment_on_host(scores, 0, ks[0], parallel=True)
-        else:
-            host_map(lambda j: self._segment_on_host(scores, j, ks[j], parallel=False), range(len(ks)),
-                     self.sizes())
+        host_map(lambda j: self._segment_on_host(scores, j, ks[j]), range(len(ks)), self.sizes())
 
-    def _segment_on_host(self, scores: "np.ndarray", j: int, k: int, parallel: bool) -> None:
+    def _segment_on_host(self, scores: "np.ndarray", j: int, k: int) -> None:
+        """Segment j's indicator, all in numpy (no tensor operation per segment)."""
         a = scores[self.bounds[j]:self.bounds[j + 1]]
         if k in (0, a.size):
             a.fill(1.0 if k else 0.0)
             return
-        threshold, cut = self._threshold(a, j, k, parallel)
-        if parallel:
-            _indicate_in_chunks(a, threshold, cut)
-        else:
-            _indicate(a, threshold, cut)
+        threshold, cut = self._threshold(a, j, k, parallel=False)
+        np.greater_equal(a[:cut], threshold, out=a[:cut])  # the bool result cast to the scores' dtype
+        np.greater(a[cut:], threshold, out=a[cut:])
 
     def threshold_on_host(self, k: int) -> tuple[float, int]:
         """The ``k``-th largest score ``T`` of a one-segment selection (0 < k < d), exactly, and
@@ -208,22 +210,6 @@ def _count_and_extract(a: "np.ndarray", lo: float, hi: float) -> tuple[int, int,
     np.not_equal(inside, above, out=inside)  # lo <= a <= hi
     n_inside = int(np.count_nonzero(inside))
     return int(np.count_nonzero(above)), n_inside, None if lo == hi else np.compress(inside, a)  # 2x a[inside]
-
-
-def _indicate(a: "np.ndarray", threshold: float, cut: int) -> None:
-    """In place: ``a`` <- 1 where ``a >= T`` before ``cut`` and ``a > T`` from it on, else 0."""
-    np.greater_equal(a[:cut], threshold, out=a[:cut])
-    np.greater(a[cut:], threshold, out=a[cut:])
-
-
-def _indicate_in_chunks(a: "np.ndarray", threshold: float, cut: int) -> None:
-    """:func:`_indicate` over chunks of ``a`` on torch's threads."""
-    def work(i: int) -> None:
-        chunk = a[i:i + _HOST_CHUNK]
-        _indicate(chunk, threshold, min(max(cut - i, 0), chunk.size))
-
-    chunks = range(0, a.size, _HOST_CHUNK)
-    host_map(work, chunks, [min(_HOST_CHUNK, a.size - i) for i in chunks])
 
 
 def _bracket(sample: "np.ndarray", q: float, z: float) -> tuple[float, float]:
