@@ -208,8 +208,11 @@ def _count_and_extract(a: "np.ndarray", lo: float, hi: float) -> tuple[int, int,
     np.greater(a, hi, out=above)
     np.greater_equal(a, lo, out=inside)
     np.not_equal(inside, above, out=inside)  # lo <= a <= hi
-    n_inside = int(np.count_nonzero(inside))
-    return int(np.count_nonzero(above)), n_inside, None if lo == hi else np.compress(inside, a)  # 2x a[inside]
+    n_above = int(np.count_nonzero(above))
+    if lo == hi:
+        return n_above, int(np.count_nonzero(inside)), None
+    band = np.compress(inside, a)  # 2x faster than a[inside] here
+    return n_above, band.size, band
 
 
 def _bracket(sample: "np.ndarray", q: float, z: float) -> tuple[float, float]:
