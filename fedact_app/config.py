@@ -203,7 +203,7 @@ class AlgorithmConfig:
     server_eps: float = 1e-3  # FedAdam adaptivity tau (Reddi et al. 2021)
     weighting: str = "uniform"
     compile: bool = False  # FedACT family: torch.compile the optimizer's fused passes (fedact_app/optim/kernels.py)
-    fused: Optional[bool] = None  # FedACT family: torch's fused AdamW/SGD kernels; None: on for CPU (fedact_app/optim/kernels.py)
+    fused: Optional[bool] = None  # FedACT family: torch's fused AdamW/SGD kernels; None: on for CPU and CUDA (fedact_app/optim/kernels.py)
 
     def __post_init__(self) -> None:
         _require_finite(self, "algorithm.")

@@ -12,9 +12,9 @@ side by side, ``step()`` of
 - ``FedACT global`` — ``FedACTAdamW`` with its defaults (exact global top-floor(tau*d));
 - ``FedACT tensor`` — ``trust_scope="tensor"``;
 - ``FedAdamW`` — ``trust_signal="none"``;
-- ``FedACT unfused`` (CPU) / ``FedACT fused`` (CUDA) — the defaults with the other setting of
-  ``fused`` (torch's fused AdamW/SGD kernels for m, v, u and the update: on by default for CPU
-  parameters, opt-in on CUDA), the comparison that decides that default;
+- ``FedACT unfused`` — the defaults with ``fused=False`` (without torch's fused AdamW/SGD
+  kernels for m, v, u and the update, which are on by default for CPU and CUDA parameters),
+  the comparison that decides that default;
 - with ``--compile``, ``FedACT compiled`` — the defaults with ``compile=True``.
 
 Every optimizer owns a copy of the parameters with fixed random gradients; the FedACT ones start
@@ -43,6 +43,7 @@ APP_DIR = Path(__file__).resolve().parents[1]
 if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -64,9 +65,7 @@ def optimizers(device: torch.device, compiled: bool = False
     }
     if device.type == "cuda":
         makers["AdamW fused"] = lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01, fused=True)
-        makers["FedACT fused"] = lambda ps: FedACTAdamW(ps, lr=3e-4, fused=True)
-    else:
-        makers["FedACT unfused"] = lambda ps: FedACTAdamW(ps, lr=3e-4, fused=False)
+    makers["FedACT unfused"] = lambda ps: FedACTAdamW(ps, lr=3e-4, fused=False)
     if compiled:
         makers["FedACT compiled"] = lambda ps: FedACTAdamW(ps, lr=3e-4, compile=True)
     return makers
@@ -82,8 +81,8 @@ def start_round(opt: torch.optim.Optimizer, params: list[torch.Tensor], seed: in
 
 
 def held_bytes(opt: torch.optim.Optimizer, exclude: list[torch.Tensor]) -> int:
-    """Bytes of every tensor reachable from the optimizer (state and scratch), each storage once,
-    without the parameters and gradients in ``exclude``."""
+    """Bytes of every tensor and numpy array reachable from the optimizer (state and scratch),
+    each storage once, without the parameters and gradients in ``exclude``."""
     seen = {t.untyped_storage().data_ptr() for t in exclude}
     total, stack, visited = 0, [vars(opt)], set()
     while stack:
@@ -96,6 +95,8 @@ def held_bytes(opt: torch.optim.Optimizer, exclude: list[torch.Tensor]) -> int:
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
+        elif isinstance(obj, np.ndarray):
+            total += obj.nbytes if obj.base is None else 0  # views of tensors are counted there
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set)):

@@ -29,7 +29,7 @@ def _host_and_device_top_k(s, k, on_host, monkeypatch=None):
     return top_k_indicator_(s, k)
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-topk"])
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy-bracket", "device-radix"])
 @pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "signed zeros", "all equal"])
 def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
     """Above _BRACKET_MIN (sample, bracket, exact count, chunks on threads) and on the device path:
@@ -46,6 +46,32 @@ def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
     for tau in (1e-6, 0.3, 0.5, 0.999999):
         k = math.floor(tau * d)
         assert torch.equal(_host_and_device_top_k(s.clone(), k, on_host, monkeypatch), _stable_top_k(s, k)), tau
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-radix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segmented_selection_is_exact_in_every_segment(on_host, dtype, monkeypatch):
+    """One selection over segments (as trust_scope="tensor" cuts the flat scores): every segment
+    j gets exactly its k_j largest, ties to its lowest index, as a stable sort of that segment
+    alone; empty segments, k = 0 and k = size, ties (signed zeros included) and tiny values."""
+    if not on_host:
+        monkeypatch.setattr(topk, "np", None)
+    gen = torch.Generator().manual_seed(2)
+    for trial in range(60):
+        sizes = torch.randint(0, 40, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        d = bounds[-1]
+        s = [lambda: torch.randn(d, generator=gen),
+             lambda: torch.randint(-2, 3, (d,), generator=gen).float(),
+             lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.6) * torch.tensor([1.0, -1.0]).repeat(d)[:d],
+             lambda: torch.randn(d, generator=gen).exp() * 1e-30][trial % 4]().to(dtype)
+        ks = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in sizes]
+        top = s.clone()
+        topk.TopKSelector(top, bounds).indicator_(ks)
+        expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
+        assert torch.equal(top, expected), (trial, sizes, ks)
 
 
 def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
@@ -80,7 +106,7 @@ def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
     assert finished == [1]  # the other thread's run had ended before the error came out
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-topk"])
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-radix"])
 def test_top_k_indicator_on_small_tensors_of_every_dtype(on_host, monkeypatch):
     """The public function on small 1-D tensors (one np.partition, no bracket), float32 and
     float64, with ties, for every k from 0 to d."""
@@ -115,8 +141,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "all equal"])
 def test_cuda_selection_on_a_large_segment_is_exact(kind):
-    """torch.topk's multi-block path (one slice of 2^20 + 3 scores) with the device tie-break:
-    exactly floor(tau*d) ones, ties to the lowest index, as a stable sort on the CPU."""
+    """The radix select on one segment of 2^20 + 3 scores with the device tie-break: exactly
+    floor(tau*d) ones, ties to the lowest index, as a stable sort on the CPU."""
     d = (1 << 20) + 3
     gen = torch.Generator().manual_seed(7)
     s = {"normal": lambda: torch.randn(d, generator=gen),

@@ -103,7 +103,8 @@ class FedACTAdamW(LazyDynamoOptimizer):
         fused: m, v and u as one call of torch's fused AdamW kernel and the update as one call
             of its fused SGD kernel, with FedACT's coefficients (kernels.py); equal to the eager
             operations up to rounding (where float16's ``eps`` underflows the kernel gives 0 where
-            the eager ``0/0`` gives NaN, as in torch's AdamW). ``None`` (default): on for CPU parameters, off elsewhere.
+            the eager ``0/0`` gives NaN, as in torch's AdamW). ``None`` (default): on for CPU and CUDA
+            parameters, where each measured faster than the eager operations (docs/PERFORMANCE.md).
             ``True``: on where the kernels can run; where they cannot (a device other than CPU
             or CUDA, a non-contiguous parameter or gradient such as channels_last, the update of
             bfloat16/float16 parameters) those tensors take the eager operations and a
@@ -164,7 +165,7 @@ class FedACTAdamW(LazyDynamoOptimizer):
                             f"{type(param_group).__name__} (add_param_group({{'params': ...}}))")
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         if not (merged.get("fused") is None or isinstance(merged["fused"], bool)):
-            raise ValueError(f"Invalid fused: {merged['fused']!r}; expected None (on for CPU parameters), "
+            raise ValueError(f"Invalid fused: {merged['fused']!r}; expected None (on for CPU and CUDA parameters), "
                              f"True or False")
         param_group["alpha"], param_group["gamma"] = _validate_hyperparameters(
             **{k: merged[k] for k in ("lr", "betas", "eps", "weight_decay", "rho", "tau", "alpha",

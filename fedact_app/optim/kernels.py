@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from fedact_app.optim.layout import FUSED_UPDATE_DTYPES, Run
-from fedact_app.optim.topk import TopKSelector, host_thresholds
+from fedact_app.optim.topk import TopKSelector
 
 
-def fedact_step(runs: Sequence[Run], selections: Sequence[tuple[TopKSelector, dict]], *,
+def fedact_step(runs: Sequence[Run], selections: Sequence[tuple[TopKSelector, list[dict]]], *,
                 local_step: int, global_step: int) -> None:
     r"""One step of every run (prepared: :meth:`Run.prepare`).
 
@@ -51,6 +51,7 @@ def fedact_step(runs: Sequence[Run], selections: Sequence[tuple[TopKSelector, di
     phi_scale = _modulate(selections, [run for run, _ in scored])
     for run, (u_scale, _) in zip(runs, scales):
         _update(run, u_scale * (phi_scale if run.scores is not None else 1.0))
+        run.grads = None  # the caller may free them (zero_grad) before the next backward
 
 
 def _direction(run: Run, local_step: int, global_step: int) -> tuple[float, float]:
@@ -66,6 +67,9 @@ def _direction(run: Run, local_step: int, global_step: int) -> tuple[float, floa
     delta_g, local = run.delta_g, run.trust_signal == "local"
     u_scale = run.rho if delta_g is not None else local_scale
     s_scale = sqrt_bias2 / bias1 if local else u_scale
+    # u = Delta_G + (lambda/rho) m/D, or m/D without Delta_G: what :func:`_modulate` computes
+    # again when the device selection has used the direction's memory
+    run.moments = (sqrt_bias2, delta_g, local_scale / run.rho if delta_g is not None else 1.0)
     if run.compile and _direction_compiled(run, sqrt_bias2, local_scale):
         return u_scale, s_scale
     # direction = Delta_G + (lambda/rho) m/D, or m/D without Delta_G and, until its scores, for
@@ -87,7 +91,7 @@ def _moments_eager(run: Run, sqrt_bias2: float, delta_g: Optional[Tensor], ratio
     """m, v and ``direction = delta_g + ratio * m/D`` (``m/D`` without ``delta_g``) in six
     operations, with ``D = sqrt(v) + eps * sqrt_bias2``; ``foreach`` does m and v with one
     ``torch._foreach_*`` call each, the single-tensor path loops."""
-    m, v, u = run.exp_avg, run.exp_avg_sq, run.direction
+    v = run.exp_avg_sq
     v.mul_(run.beta2)
     if run.foreach:
         torch._foreach_lerp_(run.exp_avg_views, run.grads, 1.0 - run.beta1)               # m = b1*m + (1-b1)*g
@@ -96,11 +100,18 @@ def _moments_eager(run: Run, sqrt_bias2: float, delta_g: Optional[Tensor], ratio
         for m_i, v_i, g in zip(run.exp_avg_views, run.exp_avg_sq_views, run.grads):
             m_i.lerp_(g, 1.0 - run.beta1)
             v_i.addcmul_(g, g, value=1.0 - run.beta2)
-    torch.sqrt(v, out=u).add_(run.eps * sqrt_bias2)          # D
+    _direction_from_moments(run, sqrt_bias2, delta_g, ratio)
+
+
+def _direction_from_moments(run: Run, sqrt_bias2: float, delta_g: Optional[Tensor], ratio: float) -> None:
+    """``direction <- delta_g + ratio * m/D`` (``m/D`` without ``delta_g``) from the run's m and
+    v, with ``D = sqrt(v) + eps * sqrt_bias2``: three operations."""
+    u = run.direction
+    torch.sqrt(run.exp_avg_sq, out=u).add_(run.eps * sqrt_bias2)  # D
     if delta_g is not None:
-        torch.addcdiv(delta_g, m, u, value=ratio, out=u)
+        torch.addcdiv(delta_g, run.exp_avg, u, value=ratio, out=u)
     else:
-        torch.div(m, u, out=u)
+        torch.div(run.exp_avg, u, out=u)
 
 
 def _moments_fused(run: Run, sqrt_bias2: float, delta_g: Optional[Tensor], ratio: float,
@@ -245,34 +256,39 @@ def phi_factors(d: int, tau: float, alpha: float, gamma: float, scale_matched: b
     return k, alpha, gamma
 
 
-def _modulate(selections: Sequence[tuple[TopKSelector, dict]], runs: Sequence[Run]) -> float:
+def _modulate(selections: Sequence[tuple[TopKSelector, list[dict]]], runs: Sequence[Run]) -> float:
     """Apply phi (Eq. fedact_modulation) to the direction of every scored run; return the
     ``phi_scale`` left to the update: ``direction <- phi * direction / phi_scale``.
 
-    Each selection's scores first become 1 on its top k and 0 elsewhere. When all selections
-    share alpha and gamma (always, unless per-tensor scale matching), one operation per run
-    finishes: ``direction += ((alpha - gamma) / gamma) * top * direction`` with
+    Each selection's scores first become 1 on the top k of every segment and 0 elsewhere, each
+    segment with the settings of its param group. When all segments share alpha and gamma
+    (always, unless per-tensor scale matching or groups with their own factors), one operation
+    per run finishes: ``direction += ((alpha - gamma) / gamma) * top * direction`` with
     ``phi_scale = gamma`` (``direction *= top`` and ``alpha`` when gamma = 0); otherwise the
-    scores become phi selection by selection and multiply the direction (``phi_scale = 1``). With
-    ``compile``, one global threshold and no tie, the comparison and that operation are one
-    compiled pass (:func:`_phi_pass`).
+    scores become phi segment by segment and multiply the direction (``phi_scale = 1``). With
+    ``compile``, one host selection of one segment and no tie at its threshold, the comparison
+    and that operation are one compiled pass (:func:`_phi_pass`).
     """
-    values = [phi_factors(sel.scores.numel(), g["tau"], g["alpha"], g["gamma"], g["scale_matched"])
-              for sel, g in selections]
-    host = [(sel, k) for (sel, _), (k, _, _) in zip(selections, values) if sel.needs_host(k)]
-    found = host_thresholds(host)
-    thresholds = {id(sel): t for (sel, _), t in zip(host, found)}
-    fused = set()  # runs done by one compiled pass: one global threshold, no tie, gamma > 0
-    if len(found) == len(selections) == 1 and found[0][1] == selections[0][0].scores.numel() and values[0][2] > 0:
-        for run in runs:
-            if not (run.compile and _phi_compiled(run, found[0][0], values[0][1:])):
-                break
-            fused.add(id(run))
-        if len(fused) == len(runs):
-            return values[0][2]
-    for (sel, _), (k, _, _) in zip(selections, values):
-        sel.indicator_(k, thresholds.get(id(sel)))
-    pairs = {(alpha, gamma) for _, alpha, gamma in values}
+    plans = [(sel, [phi_factors(n, g["tau"], g["alpha"], g["gamma"], g["scale_matched"])
+                    for n, g in zip(sel.sizes(), groups)]) for sel, groups in selections]
+    host_threshold, fused = None, set()  # fused: runs done by one compiled pass
+    if len(plans) == 1 and len(plans[0][1]) == 1 and any(run.compile for run in runs):
+        sel, ((k, alpha, gamma),) = plans[0]
+        if sel.on_host and 0 < k < sel.scores.numel() and gamma > 0:
+            host_threshold = sel.threshold_on_host(k)
+            if host_threshold[1] == sel.scores.numel():  # no tie straddles the threshold
+                for run in runs:
+                    if not (run.compile and _phi_compiled(run, host_threshold[0], (alpha, gamma))):
+                        break
+                    fused.add(id(run))
+                if len(fused) == len(runs):
+                    return gamma
+    for sel, values in plans:
+        sel.indicator_([k for k, _, _ in values], host_threshold)
+    for run in runs:  # the device selection used these directions as its scratch (layout.py)
+        if run.lends_direction:
+            _direction_from_moments(run, *run.moments)
+    pairs = {(alpha, gamma) for _, values in plans for _, alpha, gamma in values}
     if len(pairs) == 1:
         ((alpha, gamma),) = pairs
         for run in runs:
@@ -283,8 +299,9 @@ def _modulate(selections: Sequence[tuple[TopKSelector, dict]], runs: Sequence[Ru
             else:
                 run.direction.mul_(run.scores)
         return gamma if gamma > 0.0 else alpha
-    for (sel, _), (_, alpha, gamma) in zip(selections, values):
-        sel.scores.mul_(alpha - gamma).add_(gamma)
+    for sel, values in plans:
+        for (start, end), (_, alpha, gamma) in zip(zip(sel.bounds, sel.bounds[1:]), values):
+            sel.scores[start:end].mul_(alpha - gamma).add_(gamma)
     for run in runs:
         run.direction.mul_(run.scores)
     return 1.0

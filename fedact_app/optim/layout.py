@@ -5,13 +5,27 @@ one of the state tensors changes, into one flat buffer per :class:`Run` (consecu
 one param group sharing device, dtype and state keys); ``state[p]["exp_avg"]`` and the others are
 views of those buffers (shaped like ``p``, row-major). A state tensor assigned by the caller
 (``opt.state[p]["exp_avg"] = t``) is copied into the buffers at the next step and its entry
-becomes a view again. Scratch, rebuilt with the packing and never saved: u (parameter dtype), one
-flat float32 (float64 when a parameter is float64) buffer per device for the scores s, and one
-bool and one selector buffer (bool on CPU, int32 on the device path): ``10 d`` bytes beyond the
-state for float32 parameters on CPU, ``13 d`` on a GPU, plus there the output of ``torch.topk``
-of the smaller side (``12 min(k, d-k+1)`` bytes for float32 scores: about ``6 d`` at tau = 0.5),
-all allocated once. The equations allocate nothing per step; the CPU selection copies what
-``np.partition`` selects from (about 1 % of d, or a whole selection below 2**21 scores).
+becomes a view again.
+
+What the optimizer holds beyond the parameters and gradients, in bytes per coordinate for
+float32 parameters (20 d in all, CPU and GPU alike), and why each must exist:
+
+- m (``exp_avg``, 4): the first moment, state carried from step to step (Alg. 1, line 8);
+- v (``exp_avg_sq``, 4): the second moment, state, and what the client sends back as v_i;
+- Delta_G (``delta_g``, 4, only while the round has one and rho > 0): the server's correction,
+  read at every step of the round;
+- the direction (4): u, which the update needs after the selection, and which the score pass
+  needs before it (s = u * g);
+- the scores (4, float32; float64 when a parameter is float64): s, because the exact top-k reads
+  all of them before any coordinate's phi is known; the selection then turns them into phi's
+  indicator in place.
+
+Nothing else is d-sized. The host selection (CPU, numpy) works in chunks, with two bool chunks
+per thread. The device selection (CUDA, or CPU without numpy) needs an integer scratch of d
+entries for its histogram codes: it uses the flat direction buffer of the device's scored runs,
+whose u is computed again from m, v and Delta_G after the selection (three passes; kernels.py),
+or, when those runs' dtypes differ from the scores', a buffer of its own (4 d more). All of it is
+allocated once per layout, and a step after the first allocates nothing d-sized.
 """
 
 from __future__ import annotations
@@ -62,12 +76,14 @@ class Run:
 
     Buffers (made once per layout): ``exp_avg``, ``exp_avg_sq`` and ``delta_g_buffer`` are flat
     buffers of the state (the parameters' state tensors are their views); ``direction`` is the
-    flat scratch for u (the denominator or Delta_G first, then u / u_scale); ``scores`` is this
+    flat scratch for u (the denominator or Delta_G first, then u / u_scale), a slice of one buffer
+    per device when the device selection borrows it (``lends_direction``); ``scores`` is this
     run's slice of its device's score buffer (``None`` for a group without trust signal: s, then
     phi); ``kernel_step`` holds the global step t for torch's fused AdamW kernel.
 
-    Per step, :meth:`prepare` sets ``grads`` and the group's settings (``lr``, ``beta1``, ...,
-    ``delta_g``: the flat Delta_G, or ``None`` when the round has none or ``rho == 0``).
+    Per step, :meth:`prepare` sets ``grads`` (dropped when the step ends) and the group's
+    settings (``lr``, ``beta1``, ..., ``delta_g``: the flat Delta_G, or ``None`` when the round
+    has none or ``rho == 0``).
     """
 
     def __init__(self, group: int, params: list[Tensor], scored: bool, state: dict) -> None:
@@ -80,14 +96,21 @@ class Run:
         self.delta_g_buffer: Optional[Tensor] = None
         if "delta_g" in state[params[0]]:
             self.delta_g_buffer, self.delta_g_views = _pack(params, state, "delta_g")
-        self.direction = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        self.direction_views = _views(self.direction, params)
+        self.direction = self.direction_views = None  # attach_direction: Workspace decides where
+        self.lends_direction = False
         self.kernel_step = torch.zeros((), dtype=torch.float32, device=self.device)
         self.scores: Optional[Tensor] = None
         self.score_views: list[Optional[Tensor]] = [None] * len(params)
 
     def attach_scores(self, scores: Tensor) -> None:
         self.scores, self.score_views = scores, _views(scores, self.params)
+
+    def attach_direction(self, direction: Optional[Tensor] = None, lends: bool = False) -> None:
+        """Use ``direction`` (a new buffer when ``None``) for u; ``lends``: the device selection
+        uses its memory as scratch, and u is computed again after it (kernels.py)."""
+        if direction is None:
+            direction = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.direction, self.direction_views, self.lends_direction = direction, _views(direction, self.params), lends
 
     def holds(self, state: dict) -> bool:
         """Whether every parameter's state is still this run's views (nothing assigned or removed)."""
@@ -110,7 +133,7 @@ class Run:
         self.compile = (group["compile"] and self.dtype in (torch.float32, torch.float64)
                         and (self.scores is None or self.scores.dtype == self.dtype))
         fused = group["fused"]
-        on = self.device.type == "cpu" if fused is None else fused and self.device.type in ("cpu", "cuda")
+        on = fused is not False and self.device.type in ("cpu", "cuda")  # None: the faster setting on both
         # The kernels read every tensor of a list in its own memory order, so parameters and
         # gradients must be contiguous like the flat state's views (a channels_last weight is not).
         self.fused = (on and self.dtype in _FUSED_DTYPES and all(p.is_contiguous() for p in self.params)
@@ -137,10 +160,11 @@ class Workspace:
     """The flat layout of one set of parameters with gradients, reused while that set and its
     state tensors are unchanged.
 
-    ``runs`` tile the parameters in param_groups order. Per device, the scored runs share
-    ``buffers[device]``: one flat score buffer (float64 if one of them is float64, else float32),
-    one bool mask and one selector scratch (bool when numpy finds the threshold, int32 on the
-    device path). ``trust_scope="global"`` needs all of them on one device.
+    ``runs`` tile the parameters in param_groups order. Per device, the scored runs share one
+    flat score buffer, ``scores[device]`` (float64 if one of them is float64, else float32), in
+    that order. A selection covers one device's buffer: as one segment with
+    ``trust_scope="global"`` (which needs all of them on one device), with one segment per
+    parameter tensor with ``"tensor"``; either way one :class:`TopKSelector` per device.
     """
 
     def __init__(self, groups: list[dict], present: list[list[Tensor]], state: dict) -> None:
@@ -152,23 +176,31 @@ class Workspace:
                 if i == len(params) or _layout(params[i], state) != _layout(params[start], state):
                     self.runs.append(Run(index, params[start:i], group["trust_signal"] != "none", state))
                     start = i
-        by_device: dict[torch.device, list[Run]] = {}
+        self.scored: dict[torch.device, list[Run]] = {}
         for run in self.runs:
             if run.scored:
-                by_device.setdefault(run.device, []).append(run)
-        self.buffers: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
-        for device, runs in by_device.items():
+                self.scored.setdefault(run.device, []).append(run)
+        self.scores: dict[torch.device, Tensor] = {}
+        self.scratch: dict[torch.device, Tensor] = {}
+        for device, runs in self.scored.items():
             dtype = torch.float64 if any(r.dtype == torch.float64 for r in runs) else torch.float32
             numel = sum(r.numel for r in runs)
-            selector = torch.bool if _select_on_host(device) else torch.int32
-            scores, mask, scratch = (torch.empty(numel, dtype=dt, device=device)
-                                     for dt in (dtype, torch.bool, selector))
+            scores = self.scores[device] = torch.empty(numel, dtype=dtype, device=device)
+            # The device selection needs an integer scratch as wide as the scores; when every
+            # direction has the scores' dtype, one flat direction buffer serves as that scratch.
+            lends = not _select_on_host(device) and all(r.dtype == dtype for r in runs)
+            directions = torch.empty(numel, dtype=dtype, device=device) if lends else None
+            if lends:
+                self.scratch[device] = directions
             offset = 0
             for run in runs:
                 run.attach_scores(scores[offset:offset + run.numel])
+                run.attach_direction(directions[offset:offset + run.numel] if lends else None, lends)
                 offset += run.numel
-            self.buffers[device] = (scores, mask, scratch)
-        self._selections: tuple[tuple, list[tuple[TopKSelector, dict]]] = ((), [])
+        for run in self.runs:
+            if run.direction is None:
+                run.attach_direction()
+        self._selections: tuple[tuple, list[tuple[TopKSelector, list[dict]]]] = ((), [])
 
     @staticmethod
     def _key(groups: list[dict], present: list[list[Tensor]]) -> tuple:
@@ -180,30 +212,28 @@ class Workspace:
         state tensor still one of its views."""
         return self.key == self._key(groups, present) and all(run.holds(state) for run in self.runs)
 
-    def selections(self, groups: list[dict]) -> list[tuple[TopKSelector, dict]]:
-        """The top-k selections of this step, each with the param group whose settings (tau,
-        alpha, gamma, scale_matched) it takes; kept while the trust settings stay the same."""
+    def selections(self, groups: list[dict]) -> list[tuple[TopKSelector, list[dict]]]:
+        """The top-k selections of this step, each with the param group of every segment (whose
+        tau, alpha, gamma and scale_matched it takes); kept while the trust settings stay the
+        same."""
         settings = tuple(tuple(g[key] for key in TRUST_KEYS) for g in groups)
         if settings != self._selections[0]:
             self._selections = (settings, self._build_selections(groups))
         return self._selections[1]
 
-    def _build_selections(self, groups: list[dict]) -> list[tuple[TopKSelector, dict]]:
-        if not self.buffers:
-            return []
-        if groups[0]["trust_scope"] == "global":
-            if len(self.buffers) > 1:
+    def _build_selections(self, groups: list[dict]) -> list[tuple[TopKSelector, list[dict]]]:
+        if groups and groups[0]["trust_scope"] == "global":
+            if len(self.scores) > 1:
                 raise RuntimeError("trust_scope='global' ranks all coordinates together and needs every "
                                    "parameter with a gradient on one device; use trust_scope='tensor'")
-            return [(TopKSelector(*next(iter(self.buffers.values()))), groups[0])]
-        selections, offsets = [], dict.fromkeys(self.buffers, 0)
-        for run in self.runs:
-            if not run.scored:
-                continue
-            for p in run.params:
-                start, n = offsets[run.device], p.numel()
-                selections.append((TopKSelector(*(b[start:start + n] for b in self.buffers[run.device])),
-                                   groups[run.group]))
-                offsets[run.device] = start + n
+            return [(TopKSelector(scores, [0, scores.numel()], self.scratch.get(device)), [groups[0]])
+                    for device, scores in self.scores.items()]
+        selections = []
+        for device, runs in self.scored.items():
+            bounds, owners = [0], []
+            for run in runs:
+                for p in run.params:
+                    bounds.append(bounds[-1] + p.numel())
+                    owners.append(groups[run.group])
+            selections.append((TopKSelector(self.scores[device], bounds, self.scratch.get(device)), owners))
         return selections
-

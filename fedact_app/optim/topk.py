@@ -1,25 +1,31 @@
-"""Exact top-k of a flat score tensor, without sorting it.
+"""Exact top-k of a flat score tensor cut into segments, without sorting it.
 
-:func:`top_k_indicator_` turns a 1-D score tensor into the indicator of its ``k`` largest entries,
-ties to the lowest index: what ``torch.sort(s, descending=True, stable=True).indices[:k]`` picks.
-:class:`FedACTAdamW` uses it through :class:`TopKSelector`, which keeps the scratch and the
-sample of one selection from step to step.
+A selection (:class:`TopKSelector`) covers one flat 1-D score tensor cut into consecutive
+segments: one segment for the seed's global scope (``s in R^d``), one per parameter tensor for
+``trust_scope="tensor"``. Segment j gets 1 on its ``k_j`` largest entries and 0 elsewhere, ties
+to the lowest index: what ``torch.sort(s_j, descending=True, stable=True).indices[:k_j]`` picks.
+:func:`top_k_indicator_` is one selection of one segment.
 
-Two engines find the threshold T (the k-th largest score):
+Two engines, each exact and each with a fixed number of PyTorch operations whatever the number
+of segments:
 
-- on the host (CPU tensors, numpy present), :meth:`TopKSelector.threshold_on_host`: a fixed random
-  sample brackets T, one pass counts the scores above the bracket and extracts those inside it,
-  and ``np.partition`` of the extracted ones gives T; the count makes it exact (a missed bracket
-  falls back to a selection over all scores). The passes run on torch's threads
-  (:func:`host_map`);
-- elsewhere, :func:`_indicator_on_device`: ``torch.topk`` of the smaller side and a tie-break by a
-  running count, all tensor operations, so nothing waits for the device.
+- on the host (CPU tensors, numpy present): per segment, a fixed random sample brackets the
+  threshold T (the k-th largest score), one pass counts the scores above the bracket and extracts
+  those inside it, and ``np.partition`` of the extracted ones gives T; numpy writes the indicator
+  of several segments in place, torch's comparisons that of one (:meth:`TopKSelector.indicator_`).
+  The work runs on torch's threads (:func:`host_map`); the scratch is one chunk per thread;
+- elsewhere (CUDA; CPU without numpy), :class:`_RadixSelect`: a radix select over the
+  bit patterns of the scores, one byte a pass, with one histogram per segment, then the tie-break
+  by a running count: about 130 tensor operations for any number of segments, one integer scratch
+  of d entries, nothing that waits for the device and no d-sized temporary.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Optional, Sequence
 
@@ -35,10 +41,10 @@ __all__ = ["top_k_indicator_", "TopKSelector", "host_map"]
 
 _BRACKET_MIN = 1 << 21  # below this many scores one np.partition is as fast as the bracket
 # bracket half-width, in standard deviations of the sample rank: the bracket misses T in about
-# 1 % of the steps (a full selection then runs), against a narrower band to extract every step
+# 1 % of the steps (a retry twice as wide then runs), against a narrower band to extract every step
 _BRACKET_Z = 2.5
 _HOST_CHUNK = 1 << 19  # scores per task: the passes over one chunk stay in cache
-_TIE_CHUNK = 1 << 20  # scan length when looking for where a straddling tie is cut
+_TIE_CHUNK = 1 << 16  # scan length when looking for where a straddling tie is cut (its index list: 8x)
 
 
 def top_k_indicator_(scores: Tensor, k: int) -> Tensor:
@@ -46,153 +52,174 @@ def top_k_indicator_(scores: Tensor, k: int) -> Tensor:
 
     Exactly ``k`` ones, also with ties: they go to the lowest index, as in
     ``torch.sort(scores, descending=True, stable=True).indices[:k]``. ``scores`` is a contiguous
-    1-D floating tensor of finite values (``torch.topk`` ranks NaN highest). CPU tensors use the
-    host engine when numpy is there, others the device engine (module docstring).
+    1-D floating tensor (float32 or float64) of finite values. CPU tensors use the host engine
+    when numpy is there, others the device engine (module docstring).
     """
-    if not isinstance(scores, Tensor) or scores.dim() != 1 or not scores.is_floating_point():
-        raise ValueError(f"Invalid scores: expected a 1-D floating tensor, got "
-                         f"{getattr(scores, 'shape', type(scores).__name__)}")
+    if not isinstance(scores, Tensor) or scores.dim() != 1 or scores.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"Invalid scores: expected a 1-D floating tensor (float32 or float64), got "
+                         f"{getattr(scores, 'shape', type(scores).__name__)} {getattr(scores, 'dtype', '')}".rstrip())
     if not scores.is_contiguous():
         raise ValueError("Invalid scores: expected a contiguous tensor (the selection works in place)")
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= scores.numel():
         raise ValueError(f"Invalid k: {k!r}; expected an integer in [0, {scores.numel()}]")
-    selector = TopKSelector(scores)
-    selector.indicator_(k, selector.threshold_on_host(k, parallel=True) if selector.needs_host(k) else None)
+    TopKSelector(scores, [0, scores.numel()]).indicator_([k])
     return scores
 
 
 def _select_on_host(device: torch.device) -> bool:
-    """Whether the threshold of scores on ``device`` is found by numpy (CPU) or on the device."""
+    """Whether the scores on ``device`` are selected by numpy (CPU) or by tensor operations."""
     return device.type == "cpu" and np is not None
 
 
 class TopKSelector:
-    """One selection over the 1-D ``scores``, reused step after step: its scratch (``mask`` and
-    ``scratch``, both of the scores' length: bool and bool on the host, bool and int32 on the
-    device), the ``torch.topk`` output buffers of the device engine, and, for a large selection
-    on the host, the fixed random positions whose scores bracket the threshold."""
+    """One selection over the 1-D float32/float64 ``scores`` cut at ``bounds`` (``0 = b_0 <= b_1
+    <= ... = d``: segment j is ``scores[b_j:b_{j+1}]``), reused step after step.
 
-    def __init__(self, scores: Tensor, mask: Optional[Tensor] = None, scratch: Optional[Tensor] = None) -> None:
-        on_host = _select_on_host(scores.device) if scratch is None else scratch.dtype == torch.bool
-        d, device = scores.numel(), scores.device
+    It keeps what the step must not allocate again: on the device, the integer scratch of d
+    entries (int32 for float32 scores, int64 for float64) and the small per-segment tensors; on
+    the host, the fixed random sample of every segment of at least ``_BRACKET_MIN`` scores (the
+    chunk scratch lives per thread, :func:`_chunk_scratch`). ``scratch``: d elements as wide as
+    the scores for the device engine's codes (the flat direction buffer, layout.py), or ``None``
+    for a buffer of its own.
+    """
+
+    def __init__(self, scores: Tensor, bounds: Sequence[int], scratch: Optional[Tensor] = None) -> None:
+        if list(bounds[:1]) != [0] or bounds[-1] != scores.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"Invalid bounds: expected 0 <= ... <= {scores.numel()}, got {list(bounds)}")
         self.scores = scores
-        self.mask = torch.empty(d, dtype=torch.bool, device=device) if mask is None else mask
-        self.scratch = (torch.empty(d, dtype=torch.bool if on_host else torch.int32, device=device)
-                        if scratch is None else scratch)
-        self.on_host = on_host
-        self.draws = 0  # samples drawn so far; a bracket that misses draws a new one
-        self.sample = self.draw_sample()
-        self._top_k: Optional[tuple[Tensor, Tensor]] = None
-
-    def needs_host(self, k: int) -> bool:
-        """Whether :meth:`indicator_` needs :meth:`threshold_on_host` first."""
-        return self.on_host and 0 < k < self.scores.numel()
-
-    def top_k_buffers(self, n: int) -> tuple[Tensor, Tensor]:
-        """Values and indices buffers of ``n`` entries for ``torch.topk`` on the device path,
-        allocated at the first step (n depends only on d and k)."""
-        if self._top_k is None or self._top_k[0].numel() != n:
-            self._top_k = (torch.empty(n, dtype=self.scores.dtype, device=self.scores.device),
-                           torch.empty(n, dtype=torch.int64, device=self.scores.device))
-        return self._top_k
-
-    def draw_sample(self) -> Optional["np.ndarray"]:
-        """Sorted random positions (a cache-friendly gather), reproducible per size and draw."""
-        d = self.scores.numel()
-        if not self.on_host or d < _BRACKET_MIN:
-            return None
-        n = min(d // 16, math.ceil(2.0 * d ** (2.0 / 3.0)))  # balances sampling and extraction costs
-        rng = np.random.default_rng([d, self.draws])
-        self.draws += 1
-        return np.sort(rng.integers(0, d, n))
-
-    def indicator_(self, k: int, host_threshold: Optional[tuple[float, int]]) -> None:
-        """``scores`` <- 1 on its ``k`` largest entries, ties to the lowest index, 0 elsewhere.
-
-        ``host_threshold``: ``(T, cut)`` from :meth:`threshold_on_host` (needed when
-        :meth:`needs_host`): the entries ``>= T`` before ``cut`` and ``> T`` from ``cut`` on are
-        exactly the top k.
-        """
-        s = self.scores
-        d = s.numel()
-        if k == 0 or k == d:
-            s.fill_(1.0 if k else 0.0)
-        elif host_threshold is None:
-            _indicator_on_device(self, k)
+        self.bounds = list(bounds)
+        self.on_host = _select_on_host(scores.device)
+        if self.on_host:
+            self.draws = [0] * (len(self.bounds) - 1)  # samples drawn per segment; a miss draws anew
+            self.samples = [self.draw_sample(j) for j in range(len(self.draws))]
         else:
-            threshold, cut = host_threshold
-            head, tail = s[:cut], s[cut:]
-            torch.ge(head, threshold, out=head)
-            if cut < d:
-                torch.gt(tail, threshold, out=tail)
+            self.radix = _RadixSelect(scores, self.bounds, scratch)
 
-    def threshold_on_host(self, k: int, parallel: bool) -> tuple[float, int]:
-        """The ``k``-th largest score ``T`` (0 < k < d), exactly, and the index ``cut`` such that
-        ``{s > T} ∪ {s == T before cut}`` has exactly ``k`` entries (``cut = d`` when no tie
-        straddles the boundary).
+    def sizes(self) -> list[int]:
+        """The number of scores in every segment."""
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
 
-        A large selection's sample brackets T between two of its order statistics ``lo <= hi``
+    def draw_sample(self, j: int) -> Optional["np.ndarray"]:
+        """Sorted random positions in segment j (a cache-friendly gather), reproducible per size
+        and draw; ``None`` below ``_BRACKET_MIN`` scores."""
+        n = self.bounds[j + 1] - self.bounds[j]
+        if n < _BRACKET_MIN:
+            return None
+        size = min(n // 16, math.ceil(2.0 * n ** (2.0 / 3.0)))  # balances sampling and extraction costs
+        rng = np.random.default_rng([n, self.draws[j]])
+        self.draws[j] += 1
+        return np.sort(rng.integers(0, n, size))
+
+    def indicator_(self, ks: Sequence[int], host_threshold: Optional[tuple[float, int]] = None) -> None:
+        """``scores`` <- 1 on the ``ks[j]`` largest entries of every segment j, ties to the lowest
+        index, 0 elsewhere. ``host_threshold``: ``(T, cut)`` of a one-segment host selection from
+        :meth:`threshold_on_host`, when the caller has it already."""
+        if len(ks) != len(self.bounds) - 1 or any(not 0 <= k <= n for k, n in zip(ks, self.sizes())):
+            raise ValueError(f"Invalid ks: {list(ks)} for segments of {self.sizes()} scores")
+        if not self.on_host:
+            self.radix.indicator_(ks)
+            return
+        if len(ks) == 1:  # one segment: torch's comparisons, on its threads, are 3x numpy's here
+            s, k = self.scores, ks[0]
+            if k in (0, s.numel()):
+                s.fill_(1.0 if k else 0.0)
+                return
+            threshold, cut = host_threshold or self.threshold_on_host(k)
+            torch.ge(s[:cut], threshold, out=s[:cut])
+            torch.gt(s[cut:], threshold, out=s[cut:])
+            return
+        scores = self.scores.numpy()  # once: every conversion is four tensor operations
+        host_map(lambda j: self._segment_on_host(scores, j, ks[j]), range(len(ks)), self.sizes())
+
+    def _segment_on_host(self, scores: "np.ndarray", j: int, k: int) -> None:
+        """Segment j's indicator, all in numpy (no tensor operation per segment)."""
+        a = scores[self.bounds[j]:self.bounds[j + 1]]
+        if k in (0, a.size):
+            a.fill(1.0 if k else 0.0)
+            return
+        threshold, cut = self._threshold(a, j, k, parallel=False)
+        np.greater_equal(a[:cut], threshold, out=a[:cut])  # the bool result cast to the scores' dtype
+        np.greater(a[cut:], threshold, out=a[cut:])
+
+    def threshold_on_host(self, k: int) -> tuple[float, int]:
+        """The ``k``-th largest score ``T`` of a one-segment selection (0 < k < d), exactly, and
+        the index ``cut`` such that ``{s > T} ∪ {s == T before cut}`` has exactly ``k`` entries
+        (``cut = d`` when no tie straddles the boundary): :meth:`_threshold` on threads."""
+        return self._threshold(self.scores.numpy(), 0, k, parallel=True)
+
+    def _threshold(self, a: "np.ndarray", j: int, k: int, parallel: bool) -> tuple[float, int]:
+        """:meth:`threshold_on_host` of segment j, whose scores are ``a``.
+
+        A large segment's sample brackets T between two of its order statistics ``lo <= hi``
         (:func:`_bracket`); one pass counts the scores above ``hi`` and extracts those in
-        ``[lo, hi]`` (about ``2.5 d / sqrt(n)`` of them for n samples at k = d/2), in chunks that
-        stay in cache, on threads when ``parallel``; a selection on the extracted scores gives T.
-        When the bracket misses (checked exactly) the selection runs on all scores and a new
-        sample is drawn: the result is exact either way.
+        ``[lo, hi]`` (about ``2.5 d / sqrt(n)`` of them for n samples at k = d/2; none when
+        ``lo == hi``, where T = lo), in chunks that stay in cache, on threads when ``parallel``;
+        a selection on the extracted scores gives T. When the bracket misses (checked exactly) a
+        bracket twice as wide is tried on a new sample, then a selection on all scores: the
+        result is exact either way.
         """
-        a = self.scores.numpy()
-        d = a.size
+        n = a.size
         band, n_above = a, 0
-        if self.sample is not None:
-            lo, hi = _bracket(a[self.sample], (d - k) / d)
-            above, inside = self.mask.numpy(), self.scratch.numpy()
-            step = _HOST_CHUNK
+        for z in (_BRACKET_Z, 2.0 * _BRACKET_Z):
+            if self.samples[j] is None:
+                break
+            lo, hi = _bracket(a[self.samples[j]], (n - k) / n, z)
+            chunks = range(0, n, _HOST_CHUNK)
 
-            def work(i: int) -> tuple[int, np.ndarray]:
-                return _count_and_extract(a[i:i + step], lo, hi, above[i:i + step], inside[i:i + step])
+            def work(i: int, lo=lo, hi=hi) -> tuple[int, int, Optional[np.ndarray]]:
+                return _count_and_extract(a[i:i + _HOST_CHUNK], lo, hi)
 
-            chunks = range(0, d, step)
-            sizes = [min(step, d - i) for i in chunks]
+            sizes = [min(_HOST_CHUNK, n - i) for i in chunks]
             parts = host_map(work, chunks, sizes) if parallel else [work(i) for i in chunks]
-            n_above = sum(n for n, _ in parts)
-            candidates = np.concatenate([c for _, c in parts])
-            if 0 < k - n_above <= candidates.size:
-                band = candidates
-            else:  # the bracket missed T (rare): select on everything, and draw a new sample
-                n_above = 0
-                self.sample = self.draw_sample()
-        j = band.size - (k - n_above)  # T is band's entry j in ascending order
-        part = np.partition(band, j)
-        threshold = part[j]
-        if j == 0 or part[:j].max() != threshold:  # no score below the top k equals T
-            return float(threshold), d
+            above = sum(p[0] for p in parts)
+            inside = sum(p[1] for p in parts)
+            if 0 < k - above <= inside:
+                if lo == hi:  # every score in the bracket equals T: nothing to partition
+                    return float(lo), n if k - above == inside else _index_after(a, lo, k - above)
+                band, n_above = np.concatenate([p[2] for p in parts]), above
+                break
+            self.samples[j] = self.draw_sample(j)  # the bracket missed T (rare): a new sample
+        j_band = band.size - (k - n_above)  # T is band's entry j_band in ascending order
+        part = np.partition(band, j_band)
+        threshold = part[j_band]
+        if j_band == 0 or part[:j_band].max() != threshold:  # no score below the top k equals T
+            return float(threshold), n
         # A tie straddles the boundary: the top k hold every score above T and the first `need`
         # scores equal to T, need being how many of them fall in the band's top part.
-        need = int(np.count_nonzero(part[j:] == threshold))
+        need = int(np.count_nonzero(part[j_band:] == threshold))
         return float(threshold), _index_after(a, threshold, need)
 
 
-def host_thresholds(selections: Sequence[tuple[TopKSelector, int]]) -> list[tuple[float, int]]:
-    """:meth:`TopKSelector.threshold_on_host` of several selections: one alone splits its work
-    over threads, several are spread over threads."""
-    if len(selections) == 1:
-        return [selections[0][0].threshold_on_host(selections[0][1], parallel=True)]
-    return host_map(lambda item: item[0].threshold_on_host(item[1], parallel=False), selections,
-                    [selector.scores.numel() for selector, _ in selections])
+_SCRATCH = threading.local()
 
 
-def _count_and_extract(a: "np.ndarray", lo: float, hi: float, above: "np.ndarray",
-                       inside: "np.ndarray") -> tuple[int, "np.ndarray"]:
-    """How many entries of ``a`` exceed ``hi``, and those in ``[lo, hi]`` (bool scratch given)."""
+def _chunk_scratch(n: int) -> tuple["np.ndarray", "np.ndarray"]:
+    """Two bool arrays of ``n`` entries for this thread, made once per thread and size: the
+    host selection's scratch is a chunk a thread, not d entries."""
+    if getattr(_SCRATCH, "n", None) != n:
+        _SCRATCH.n, _SCRATCH.arrays = n, (np.empty(n, dtype=bool), np.empty(n, dtype=bool))
+    return _SCRATCH.arrays
+
+
+def _count_and_extract(a: "np.ndarray", lo: float, hi: float) -> tuple[int, int, Optional["np.ndarray"]]:
+    """How many entries of ``a`` exceed ``hi``, how many lie in ``[lo, hi]``, and those entries
+    (``None`` when ``lo == hi``: they all equal lo)."""
+    above, inside = (x[:a.size] for x in _chunk_scratch(_HOST_CHUNK))
     np.greater(a, hi, out=above)
     np.greater_equal(a, lo, out=inside)
     np.not_equal(inside, above, out=inside)  # lo <= a <= hi
-    return int(np.count_nonzero(above)), np.compress(inside, a)  # 2x faster than a[inside] here
+    n_above = int(np.count_nonzero(above))
+    if lo == hi:
+        return n_above, int(np.count_nonzero(inside)), None
+    band = np.compress(inside, a)  # 2x faster than a[inside] here
+    return n_above, band.size, band
 
 
-def _bracket(sample: "np.ndarray", q: float) -> tuple[float, float]:
-    """Entries ``lo <= hi`` of the sample around its ``q``-quantile, ``_BRACKET_Z`` standard
-    deviations of the sample rank apart (``-inf`` / ``inf`` past its ends)."""
+def _bracket(sample: "np.ndarray", q: float, z: float) -> tuple[float, float]:
+    """Entries ``lo <= hi`` of the sample around its ``q``-quantile, ``z`` standard deviations of
+    the sample rank apart (``-inf`` / ``inf`` past its ends)."""
     n = sample.size
-    half = _BRACKET_Z * math.sqrt(q * (1.0 - q) * n) + 1.0
+    half = z * math.sqrt(q * (1.0 - q) * n) + 1.0
     j_lo, j_hi = math.floor(q * n - half), math.ceil(q * n + half)
     inner = [j for j in (j_lo, j_hi) if 0 <= j < n]
     part = np.partition(sample, inner) if inner else sample
@@ -256,28 +283,114 @@ def _balanced_runs(sizes: Sequence[int], n: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _indicator_on_device(selector: TopKSelector, k: int) -> None:
-    """The device engine of :meth:`TopKSelector.indicator_` (also without numpy), all tensor
-    operations, so nothing waits for the device. The threshold T, the k-th largest score, is the
-    smallest of the k largest scores or the largest of the d - k + 1 smallest (``torch.topk`` of
-    the smaller side, into the selector's buffers); the tie-break is a running count of the
-    entries equal to T, in the selector's ``mask`` (bool) and ``scratch`` (integer).
+class _RadixSelect:
+    """The device engine: the top ``k_j`` of every segment at once, in tensor operations whose
+    number does not depend on the number of segments, so nothing waits for the device.
 
-    ``torch.topk``, not ``torch.kthvalue``: PyTorch's CUDA kthvalue runs one thread block per
-    slice (``gatherKthValue`` in ATen's Sorting.cu), so one multiprocessor would read all d
-    scores many times over (pytorch/pytorch#75599: 20x slower than a full sort for 10^8
-    values), where topk's radix select spreads one large slice over many blocks (``mbtopk`` in
-    TensorTopK.cu)."""
-    s, mask, ranks = selector.scores, selector.mask, selector.scratch
-    d = s.numel()
-    largest = k <= d - k + 1
-    values, indices = selector.top_k_buffers(k if largest else d - k + 1)
-    torch.topk(s, values.numel(), largest=largest, sorted=False, out=(values, indices))
-    threshold = values.min() if largest else values.max()    # k-th largest, stays on the device
-    # (scores must be finite: topk ranks NaN highest, and a NaN T selects nothing)
-    torch.gt(s, threshold, out=ranks)
-    need = k - ranks.sum()                                    # places left for entries equal to T
-    torch.eq(s, threshold, out=mask)
-    torch.cumsum(mask, 0, dtype=ranks.dtype, out=ranks)       # ties at or before each index
-    mask.logical_and_(ranks.le_(need))                        # the first `need` ties
-    torch.gt(s, threshold, out=s).add_(mask)
+    The scores' bit patterns, made order-preserving (:meth:`_keys`), are read one byte a pass
+    from the top. Every score carries a code in the integer ``scratch``: ``3j + 1`` while it is
+    still a candidate for segment j's threshold, ``3j + 2`` once it is known to be above it,
+    ``3j`` below. A pass turns the code into a histogram bin ``256 code + byte``, counts the bins
+    (``index_add_``), finds in each segment's candidate histogram the byte of its ``k_j``-th
+    largest remaining score, and maps every bin to its new code with one ``searchsorted`` over
+    three boundaries per segment. After the last byte the candidates left are the scores equal
+    to the threshold; a running count over them (``cumsum_`` in the scores' memory) keeps the
+    first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
+
+    Memory: the scratch (4 bytes a float32 score), the scores' own buffer, and tensors of a few
+    entries per segment; no operation makes a d-sized temporary on CUDA.
+    ``torch.topk`` is not used: its outputs hold ``12 min(k, d-k+1)`` bytes (about 6 d at
+    tau = 0.5), its CUDA launches happen once per segment, and the tie-break it needs cost a
+    d-sized cast in ``torch.cumsum``.
+    """
+
+    def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor]) -> None:
+        if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
+            raise RuntimeError("the device top-k reads the scores' bytes as little-endian")
+        device, n_seg = scores.device, len(bounds) - 1
+        self.scores, self.n_seg = scores, n_seg
+        self.key_dtype = torch.int32 if scores.dtype == torch.float32 else torch.int64
+        self.bytes = scores.element_size()
+        self.keys = scores.view(self.key_dtype)
+        self.scratch = (torch.empty(scores.numel(), dtype=self.key_dtype, device=device) if scratch is None
+                        else scratch.view(self.key_dtype))
+        self.counts = torch.empty(3 * n_seg * 256, dtype=torch.int64, device=device)
+        self.one = torch.ones((), dtype=torch.int64, device=device).expand(scores.numel())
+        # Codes 3j + 1 for every score: 1 at the first score, +3 where each later segment starts.
+        starts = [(b, 1 if j == 0 else 3) for j, b in enumerate(bounds[:-1]) if b < scores.numel()]
+        self.code_at = _on_device([b for b, _ in starts], torch.int64, device)
+        self.code_step = _on_device([c for _, c in starts], self.key_dtype, device)
+        seg = torch.arange(n_seg, device=device)
+        self.bin_candidates = (256 * (3 * seg + 1)).to(self.key_dtype)  # first bin of each candidate block
+        self.bin_next = (256 * (3 * seg + 3)).to(self.key_dtype)        # first bin of the next segment
+        self._ks: tuple[tuple[int, ...], Optional[Tensor]] = ((), None)
+
+    def indicator_(self, ks: Sequence[int]) -> None:
+        if self.scores.numel() == 0:
+            return
+        if tuple(ks) != self._ks[0]:  # ks change only with the trust settings: one copy then
+            self._ks = (tuple(ks), _on_device(list(ks), torch.int64, self.scores.device))
+        need = ties = self._ks[1]
+        self._keys()
+        codes = self.scratch
+        codes.zero_()
+        codes.index_add_(0, self.code_at, self.code_step)
+        codes.cumsum_(0)
+        for byte in reversed(range(self.bytes)):
+            codes.mul_(256)  # then the byte into the code's lowest byte: a copy between byte views
+            codes.view(torch.uint8)[::self.bytes].copy_(self.keys.view(torch.uint8)[byte::self.bytes])
+            self.counts.zero_()
+            self.counts.index_add_(0, codes, self.one)
+            need, ties, boundaries = self._pass(need)
+            torch.searchsorted(boundaries, codes, right=True, out_int32=self.key_dtype == torch.int32, out=codes)
+        self._tie_break(need, ties)
+
+    def _keys(self) -> None:
+        """The scores' bits, in place, as integers whose unsigned order is the scores' order:
+        the sign bit flipped for scores >= 0, every bit for the others; -0.0 first becomes
+        +0.0, which it equals."""
+        s, keys, sign = self.scores, self.keys, self.scratch
+        s.add_(0.0)
+        torch.bitwise_right_shift(keys, 8 * self.bytes - 1, out=sign)  # -1 for negative scores, else 0
+        sign.bitwise_or_(torch.iinfo(self.key_dtype).min)
+        keys.bitwise_xor_(sign)
+
+    def _pass(self, need: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """From this byte's histograms: per segment, what is still needed after the scores whose
+        byte is above the selected one, how many candidates carry the selected byte, and the
+        boundaries that map every bin to its new code (above: 3j + 2, selected byte: 3j + 1,
+        below: 3j)."""
+        hist = self.counts.view(self.n_seg, 3, 256)[:, 1].flip(1)  # candidates, byte 255 first
+        at_least = hist.cumsum(1)                                   # candidates with byte >= 255 - i
+        short = at_least < need.unsqueeze(1)                        # a prefix of each row
+        above = (hist * short).sum(1)
+        index = short.sum(1, keepdim=True)                          # 255 - the selected byte
+        ties = hist.gather(1, index).squeeze(1)
+        selected = self.bin_candidates + (255 - index.squeeze(1)).to(self.key_dtype)
+        boundaries = torch.stack((selected, selected + 1, self.bin_next), 1).view(-1)
+        return need - above, ties, boundaries
+
+    def _tie_break(self, need: Tensor, ties: Tensor) -> None:
+        """Scores <- 1 on the codes 3j + 2 and on the first ``need_j`` codes 3j + 1 of each
+        segment, else 0. With c the running count of codes 3j + 1 (in the keys' memory), those
+        of segment j have c in ``(before_j, before_j + ties_j]``, before_j the ties of the
+        segments before it, and are kept when ``c <= before_j + need_j``: when ``c`` falls in an
+        odd interval of the sorted boundaries ``before_0, limit_0, before_1, limit_1, ...``.
+        A score is kept when ``code % 3 + that parity >= 2``."""
+        codes, count = self.scratch, self.keys
+        before = ties.cumsum(0) - ties
+        boundaries = torch.stack((before, before + need), 1).view(-1).to(self.key_dtype)
+        torch.remainder(codes, 3, out=codes)
+        torch.eq(codes, 1, out=count)
+        count.cumsum_(0)
+        torch.searchsorted(boundaries, count, out_int32=self.key_dtype == torch.int32, out=count)
+        codes.add_(count.bitwise_and_(1))
+        torch.ge(codes, 2, out=codes)
+        self.scores.copy_(codes)
+
+
+def _on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small tensor of ``values`` on ``device``; off CPU copied from pinned memory, which does
+    not wait for the device."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
