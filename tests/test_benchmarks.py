@@ -108,3 +108,11 @@ def test_bench_run_floor_rows_put_the_plain_loops_rounds_in_place_of_the_floors(
                                 ("   floor + plain + wait: fixed cost per job", "0.2", None)]:
         tail = "" if ratio is None else rf" +{ratio}x"
         assert re.search(rf"^{re.escape(row)} +{re.escape(seconds)}{tail}$", out, re.M), (row, out)
+
+
+def test_bench_aggregation_quick_prints_each_rule_against_the_mean():
+    out = run_script("bench_aggregation.py", "--quick", timeout=180)
+    assert "cnn_small: 19,466 trainable parameters in 6 tensors; 3 clients" in out
+    assert re.search(r"^mean +\d+\.\d +\[\d+\.\d-\d+\.\d\] +1\.00$", out, re.M), out
+    for rule in ("trimmed_mean", "median"):
+        assert re.search(rf"^{rule} +\d+\.\d +\[\d+\.\d-\d+\.\d\] +\d+\.\d\d$", out, re.M), (rule, out)
