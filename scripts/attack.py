@@ -49,13 +49,14 @@ def attack_app(folder: Path, attack: str) -> Path:
 
 
 def run_case(engine: LocalEngine, workdir: Path, attack: str | None, aggregation: str, rounds: int,
-             timeout: float = 400.0) -> dict:
+             extra: str = "", timeout: float = 400.0) -> dict:
     """One run: ``attack`` None is the clean run (the project's own app). Returns its final
-    ``test_accuracy``, the replies rejected over the run, its status and its log."""
+    ``test_accuracy``, the replies rejected over the run, its status and its log. ``extra``:
+    overrides after ``SETTING``'s."""
     name = f"{attack or 'clean'}-{aggregation}"
     app = APP_DIR if attack is None else attack_app(workdir / name / "app", attack)
     output = workdir / name / "out"
-    overrides = f"{SETTING} num_rounds={rounds} aggregation={aggregation} output_dir={output}"
+    overrides = f"{SETTING} {extra} num_rounds={rounds} aggregation={aggregation} output_dir={output}"
     result = engine.run(app, overrides=overrides, num_supernodes=5, num_cpus_per_client=engine.num_cpus,
                         timeout=timeout)
     case = {"attack": attack or "clean", "aggregation": aggregation, "completed": result.completed,
@@ -87,14 +88,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
     parser.add_argument("--aggregations", nargs="+", default=list(AGGREGATIONS), choices=AGGREGATIONS)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--overrides", default="", help="more config overrides for every run, e.g. local_steps=10")
     args = parser.parse_args(argv)
     cases = []
     with tempfile.TemporaryDirectory(prefix="fedact-attack-") as tmp, LocalEngine.for_sweep(1, num_cpus=2) as engine:
         for aggregation in args.aggregations:
             for attack in (None, *args.attacks):
-                cases.append(run_case(engine, Path(tmp), attack, aggregation, args.rounds))
+                cases.append(run_case(engine, Path(tmp), attack, aggregation, args.rounds, args.overrides))
                 print(table(cases).splitlines()[-1], flush=True)
-    print(f"\nFedACT on digits, partition 0 of 5 forging: {SETTING} num_rounds={args.rounds}")
+    print(f"\nFedACT on digits, partition 0 of 5 forging: {SETTING} {args.overrides} num_rounds={args.rounds}")
     print(table(cases))
 
 

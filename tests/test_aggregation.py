@@ -8,8 +8,8 @@ import statistics
 import pytest
 import torch
 
-from fedact_app.aggregation import (Aggregation, client_weights, coordinate_median, trimmed_mean,
-                                    weighted_mean)
+from fedact_app.aggregation import (SORTING_NETWORK_MAX, Aggregation, client_weights, coordinate_median,
+                                    sorted_values, trimmed_mean, weighted_mean)
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate
 from fedact_app.config import AlgorithmConfig, ConfigError, compose
 from fedact_app.registry import trim_count
@@ -47,7 +47,7 @@ def clients(count, shape=(4, 3), seed=0, ties=False):
 # ---------------------------------------------------------------- the rules on tensors
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 10])
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 10, 33, 34])  # 33, 34: torch.sort instead of the network
 @pytest.mark.parametrize("ties", [False, True])
 def test_median_is_the_middle_value_or_the_mean_of_the_two_middle_ones(count, ties):
     tensors = clients(count, ties=ties, seed=count)
@@ -56,7 +56,8 @@ def test_median_is_the_middle_value_or_the_mean_of_the_two_middle_ones(count, ti
 
 
 @pytest.mark.parametrize("count, fraction, dropped", [(3, 0.2, 1), (5, 0.1, 1), (5, 0.2, 1), (5, 0.4, 2),
-                                                      (10, 0.1, 1), (10, 0.2, 2), (10, 0.3, 3), (7, 0.25, 2)])
+                                                      (10, 0.1, 1), (10, 0.2, 2), (10, 0.3, 3), (7, 0.25, 2),
+                                                      (40, 0.2, 8)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_trimmed_mean_drops_ceil_fraction_times_count_at_each_end(count, fraction, dropped, ties):
     assert trim_count(count, fraction) == dropped  # 0.3 x 10 = 3.0000000000000004 in floats: still 3
@@ -71,6 +72,15 @@ def test_trimmed_mean_refuses_fewer_replies_than_its_trim_needs(count, fraction)
     with pytest.raises(ValueError, match=rf"drops ceil\({fraction:g} x {count}\) = {k} of {count} replies "
                                          rf"at each end .* needs more than {2 * k}"):
         trimmed_mean(clients(count), fraction)
+
+
+@pytest.mark.parametrize("count", [2, 7, SORTING_NETWORK_MAX, SORTING_NETWORK_MAX + 1])
+def test_sorted_values_sorts_every_coordinate_exactly(count):
+    tensors = clients(count - 1, ties=True, seed=count) + clients(1, seed=count)  # ties and distinct values
+    result = [t.flatten().tolist() for t in sorted_values(tensors)]
+    flat = [t.flatten().tolist() for t in tensors]
+    for j in range(len(flat[0])):
+        assert [values[j] for values in result] == sorted(values[j] for values in flat)
 
 
 def test_one_huge_client_moves_the_mean_but_not_the_robust_rules():
