@@ -20,8 +20,9 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from fedact_app.registry import (AGGREGATIONS, BUILTIN_DATASETS, DATASETS, LORA_MODELS, METHODS, MODELS,
-                                 MAX_MOMENT_RATIO, MAX_UPDATE_RATIO, TASK_CHOICES, TASKS, TRIM_FRACTION, WEIGHTINGS, hyperparameter_errors, trim_count)
+from fedact_app.registry import (AGGREGATIONS, BUILTIN_DATASETS, DATASETS, LORA_MODELS, MAX_MOMENT_RATIO,
+                                 MAX_UPDATE_RATIO, METHODS, MODELS, TASK_CHOICES, TASKS, TRIM_FRACTION, WEIGHTINGS,
+                                 hyperparameter_errors, trim_count)
 from fedact_app.sampling import sample_count
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -1,7 +1,8 @@
 """Names and ranges, written once: the methods (and the algorithm config keys each reads), the tasks
 with their datasets and models, the trust enums, the ranges of the optimizers' hyperparameters,
-and the server's aggregation rules with trimmed_mean's trim count. No torch here: the config check (``fedact_app.config``) and the launcher's early
-check import this module, and a second matters there.
+and the server's aggregation rules with trimmed_mean's trim count. No torch here: the config check
+(``fedact_app.config``) and the launcher's early check import this module, and a second matters
+there.
 
 ``fedact_app.algorithms.ALGORITHMS`` pairs each method name with its client and server rules;
 ``fedact_app.tasks.base.build_task`` imports a task's class from ``TASKS`` when it is used.

@@ -122,7 +122,8 @@ class AlgorithmStrategy(Strategy):
                  expected_nodes: int = 0, max_empty_rounds: int = 3,
                  node_wait_timeout: float = 300.0, max_update_norm: float | None = None,
                  batch_size: int | None = None, max_moment_ratio: float = MAX_MOMENT_RATIO,
-                 max_update_ratio: float = MAX_UPDATE_RATIO, train_config: dict | None = None, wire_dtype: str = "float32") -> None:
+                 max_update_ratio: float = MAX_UPDATE_RATIO, train_config: dict | None = None,
+                 wire_dtype: str = "float32") -> None:
         self.rule = rule
         self.trainable = list(trainable)
         self.local_steps = local_steps

@@ -86,8 +86,9 @@ def main(argv: list[str]) -> None:
     base = statistics.median(times["mean"])
     print(f"{'aggregation':<14}{'round ms':>10}  {'range':<19}{'ratio to mean':>14}")
     for name, values in times.items():
+        median = statistics.median(values)
         spread = f"[{1e3 * min(values):.1f}-{1e3 * max(values):.1f}]"
-        print(f"{name:<14}{1e3 * statistics.median(values):>10.1f}  {spread:<19}{statistics.median(values) / base:>14.2f}")
+        print(f"{name:<14}{1e3 * median:>10.1f}  {spread:<19}{median / base:>14.2f}")
 
 
 if __name__ == "__main__":

@@ -144,8 +144,8 @@ def test_fedact_combines_delta_v_and_delta_g_by_the_rule(rule, reduce):
     new_x = server.aggregate(x, updates)
     torch.testing.assert_close(new_x["w"], 0.5 * per_coordinate(deltas, reduce), rtol=1e-15, atol=1e-15)
     assert new_x["n"].item() == 7 + 2  # the buffer: agg(0..4) = 2, no server_lr
-    torch.testing.assert_close(server.delta_g["w"],
-                               per_coordinate([-d / s for d, s in zip(deltas, lr_sums)], reduce), rtol=1e-15, atol=1e-15)
+    corrections = [-d / s for d, s in zip(deltas, lr_sums)]
+    torch.testing.assert_close(server.delta_g["w"], per_coordinate(corrections, reduce), rtol=1e-15, atol=1e-15)
     torch.testing.assert_close(server.v_bar["w"], per_coordinate(vs, reduce), rtol=1e-15, atol=1e-15)
 
 
