@@ -17,10 +17,13 @@ the seed) or proportional to the clients' example counts:
         Delta_G^r = - sum_i w_i Delta_i / (sum_k eta_{i,k})   (= -1/(S K eta) sum_i Delta_i)
         v_bar^{r+1} = sum_i w_i v_i
 
-``Delta_G``, ``v_bar``, ``c`` and the FedAdam moments cover trainable parameters only. Buffers
-(BatchNorm statistics) travel in x and take the plain weighted mean of their deltas (``server_lr``
-and the server optimizer are for parameters); integer buffers (``num_batches_tracked``) take the
-rounded mean, so they stay integers.
+With ``aggregation: trimmed_mean`` or ``median`` (fedact_app.aggregation) every sum_i w_i t_i
+above is that coordinate-wise rule over the t_i instead, unweighted: over Delta_i for x, FedAdam's
+d and the buffers, over v_i for v_bar, over Delta c_i for c, and Delta_G^r = -agg_i(Delta_i /
+sum_k eta_{i,k}). ``Delta_G``, ``v_bar``, ``c`` and the FedAdam moments cover trainable parameters
+only. Buffers (BatchNorm statistics) travel in x and take the aggregate of their deltas without
+``server_lr`` (``server_lr`` and the server optimizer are for parameters); integer buffers
+(``num_batches_tracked``) take it rounded, so they stay integers.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fedact_app.aggregation import Aggregation, TensorDict, client_weights
 from fedact_app.baselines import FedLADAAdam, LocalSGD
 from fedact_app.diagnostics import adam_direction
 from fedact_app.optim import FedACTAdamW
 from fedact_app.registry import METHODS, MethodSpec
 
-TensorDict = dict[str, Tensor]
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
 
 
@@ -76,38 +79,7 @@ class LocalResult:
     client_state: dict[str, TensorDict] = field(default_factory=dict)  # kept by this client
 
 
-# ---------------------------------------------------------------- aggregation math (pure functions)
-
-
-def client_weights(updates: Sequence[ClientUpdate], weighting: str) -> list[float]:
-    """Aggregation weights summing to 1: ``uniform`` (1/S) or by ``examples``."""
-    if weighting == "uniform":
-        return [1.0 / len(updates)] * len(updates)
-    if weighting == "examples":
-        total = sum(u.num_examples for u in updates)
-        return [u.num_examples / total for u in updates]
-    raise ValueError(f"Invalid weighting {weighting!r}: allowed uniform, examples")
-
-
-def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """sum_i w_i t_i, accumulated in the tensors' (floating) dtype."""
-    total = torch.zeros_like(tensors[0])
-    for tensor, weight in zip(tensors, weights):
-        total.add_(tensor, alpha=weight)
-    return total
-
-
-def mean_delta(updates: Sequence[ClientUpdate], weights: Sequence[float]) -> TensorDict:
-    """The weighted mean of the clients' model deltas; integer entries are rounded to integers."""
-    out = {}
-    for name, first in updates[0].delta.items():
-        deltas = [u.delta[name] for u in updates]
-        if first.is_floating_point():
-            out[name] = weighted_mean(deltas, weights)
-        else:
-            mean = weighted_mean([d.double() for d in deltas], weights)
-            out[name] = torch.round(mean).to(first.dtype)
-    return out
+# ---------------------------------------------------------------- applying the aggregate
 
 
 def apply_server_update(x: TensorDict, delta: TensorDict, server_lr: float,
@@ -115,20 +87,6 @@ def apply_server_update(x: TensorDict, delta: TensorDict, server_lr: float,
     """x + server_lr * delta on trainable parameters, x + delta on buffers (new tensors)."""
     return {name: x[name] + (delta[name] * server_lr if name in trainable else delta[name])
             for name in x}
-
-
-def global_correction(updates: Sequence[ClientUpdate], weights: Sequence[float],
-                      trainable: Sequence[str]) -> TensorDict:
-    """Delta_G = - sum_i w_i Delta_i / lr_sum_i over the trainable parameters."""
-    scaled = [-w / u.lr_sum for u, w in zip(updates, weights)]
-    return {name: weighted_mean([u.delta[name] for u in updates], scaled) for name in trainable}
-
-
-def mean_arrays(updates: Sequence[ClientUpdate], key: str, weights: Sequence[float]) -> TensorDict:
-    """The weighted mean of one method-specific array dict (e.g. v_bar = sum_i w_i v_i)."""
-    names = updates[0].arrays[key].keys()
-    return {name: weighted_mean([u.arrays[key][name] for u in updates], weights) for name in names}
-
 
 
 def aligned(arrays: dict[str, TensorDict], key: str, named_params: NamedParams) -> list[Tensor] | None:
@@ -300,17 +258,32 @@ class FedACTLocal(LocalRule):
 
 
 class ServerRule(ABC):
-    """Server side of a method: its state between rounds and its aggregation."""
+    """Server side of a method: its state between rounds and its aggregation. Every per-client
+    array it combines goes through ``aggregation`` (fedact_app.aggregation: the weighted mean by
+    default, or a coordinate-wise robust rule), with the weights of ``cfg.weighting``."""
 
     reply_keys: tuple[str, ...] = ()  # method-specific array dicts every reply must carry
     nonnegative_keys: tuple[str, ...] = ()  # reply arrays that must be >= 0 (second moments)
     state_keys: tuple[str, ...] = ()  # attributes holding the state kept between rounds (None at first)
 
-    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
+    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None,
+                 aggregation: Aggregation = Aggregation()) -> None:
         self.server_lr = cfg.server_lr
         self.weighting = cfg.weighting
         self.trainable = list(trainable)
         self.num_clients = num_clients  # N, all clients of the federation (SCAFFOLD's c update)
+        self.aggregation = aggregation
+
+    def weights(self, updates: Sequence[ClientUpdate]) -> list[float]:
+        """The round's client weights w_i (``cfg.weighting``)."""
+        return client_weights([u.num_examples for u in updates], self.weighting)
+
+    def combine(self, updates: Sequence[ClientUpdate], key: str | None = None, *,
+                divisors: Sequence[float] | None = None, names: Sequence[str] | None = None) -> TensorDict:
+        """The updates' deltas (``key`` None) or their reply arrays ``key``, combined entry by
+        entry by the rule's ``aggregation`` (``Aggregation.combine_dicts``)."""
+        arrays = [u.delta if key is None else u.arrays[key] for u in updates]
+        return self.aggregation.combine_dicts(arrays, self.weights(updates), divisors, names)
 
     def broadcast(self) -> dict[str, TensorDict]:
         """Arrays sent to every sampled client with the global model (absent ones mean zeros)."""
@@ -341,8 +314,7 @@ class MeanServer(ServerRule):
     """x^{r+1} = x^r + server_lr * sum_i w_i Delta_i (FedAvg, FedProx, LocalAdam, LocalAdamW)."""
 
     def aggregate(self, x: TensorDict, updates: Sequence[ClientUpdate]) -> TensorDict:
-        weights = client_weights(updates, self.weighting)
-        return apply_server_update(x, mean_delta(updates, weights), self.server_lr, set(self.trainable))
+        return apply_server_update(x, self.combine(updates), self.server_lr, set(self.trainable))
 
 
 class ScaffoldServer(MeanServer):
@@ -353,8 +325,9 @@ class ScaffoldServer(MeanServer):
     reply_keys = ("delta_c",)
     state_keys = ("c",)
 
-    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
-        super().__init__(cfg, trainable, num_clients)
+    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None,
+                 aggregation: Aggregation = Aggregation()) -> None:
+        super().__init__(cfg, trainable, num_clients, aggregation)
         if not num_clients or num_clients < 1:
             raise ValueError(f"SCAFFOLD needs the total number of clients N >= 1, got {num_clients!r}")
         self.c: TensorDict | None = None
@@ -366,8 +339,7 @@ class ScaffoldServer(MeanServer):
         if len(updates) > self.num_clients:
             raise ValueError(f"{len(updates)} updates from N={self.num_clients} clients")
         new_x = super().aggregate(x, updates)
-        weights = client_weights(updates, self.weighting)
-        step = mean_arrays(updates, "delta_c", weights)
+        step = self.combine(updates, "delta_c")
         scale = len(updates) / self.num_clients
         c = self.c or {name: torch.zeros_like(t) for name, t in step.items()}
         self.c = {name: c[name] + scale * step[name] for name in step}
@@ -382,15 +354,16 @@ class FedAdamServer(ServerRule):
 
     state_keys = ("m", "v")
 
-    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
-        super().__init__(cfg, trainable, num_clients)
+    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None,
+                 aggregation: Aggregation = Aggregation()) -> None:
+        super().__init__(cfg, trainable, num_clients, aggregation)
         self.beta1, self.beta2 = cfg.server_betas
         self.server_eps = cfg.server_eps
         self.m: TensorDict | None = None
         self.v: TensorDict | None = None
 
     def aggregate(self, x: TensorDict, updates: Sequence[ClientUpdate]) -> TensorDict:
-        d = mean_delta(updates, client_weights(updates, self.weighting))
+        d = self.combine(updates)
         if self.m is None:
             self.m = {name: torch.zeros_like(d[name]) for name in self.trainable}
             self.v = {name: torch.full_like(d[name], self.server_eps ** 2) for name in self.trainable}
@@ -413,8 +386,9 @@ class FedACTServer(MeanServer):
     nonnegative_keys = ("v",)
     state_keys = ("v_bar", "delta_g")
 
-    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None) -> None:
-        super().__init__(cfg, trainable, num_clients)
+    def __init__(self, cfg, trainable: Sequence[str], num_clients: Optional[int] = None,
+                 aggregation: Aggregation = Aggregation()) -> None:
+        super().__init__(cfg, trainable, num_clients, aggregation)
         self.v_bar: TensorDict | None = None
         self.delta_g: TensorDict | None = None
 
@@ -423,10 +397,11 @@ class FedACTServer(MeanServer):
         return {key: value for key, value in arrays.items() if value is not None}
 
     def aggregate(self, x: TensorDict, updates: Sequence[ClientUpdate]) -> TensorDict:
-        weights = client_weights(updates, self.weighting)
         new_x = super().aggregate(x, updates)
-        self.delta_g = global_correction(updates, weights, self.trainable)
-        self.v_bar = mean_arrays(updates, "v", weights)
+        # Delta_G = -agg_i(Delta_i / lr_sum_i): the divisor -lr_sum_i gives the mean's
+        # sum_i (-w_i / lr_sum_i) Delta_i bit for bit
+        self.delta_g = self.combine(updates, divisors=[-u.lr_sum for u in updates], names=self.trainable)
+        self.v_bar = self.combine(updates, "v")
         return new_x
 
 

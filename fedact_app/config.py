@@ -20,8 +20,10 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from fedact_app.registry import (BUILTIN_DATASETS, DATASETS, LORA_MODELS, METHODS, MODELS, TASK_CHOICES, TASKS,
-                                 WEIGHTINGS, hyperparameter_errors)
+from fedact_app.registry import (AGGREGATIONS, BUILTIN_DATASETS, DATASETS, LORA_MODELS, MAX_MOMENT_RATIO,
+                                 MAX_UPDATE_RATIO, METHODS, MODELS, TASK_CHOICES, TASKS, TRIM_FRACTION, WEIGHTINGS,
+                                 hyperparameter_errors, trim_count)
+from fedact_app.sampling import sample_count
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -312,7 +314,10 @@ class Config:
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
     max_empty_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
     max_update_norm: Optional[float] = None  # reject replies whose delta's L2 norm exceeds it; null = off
-    max_moment_ratio: float = 1e6  # reject a second moment whose norm exceeds this x the round's median; 0 = off
+    max_moment_ratio: float = MAX_MOMENT_RATIO  # reject a second moment whose norm exceeds this x the round's median; 0 = off
+    max_update_ratio: float = MAX_UPDATE_RATIO  # reject an update whose norm exceeds this x the round's median; 0 = off
+    aggregation: str = "mean"  # how the server combines replies: mean | trimmed_mean | median (fedact_app.aggregation)
+    trim_fraction: float = TRIM_FRACTION  # trimmed_mean: drop ceil(trim_fraction x S) replies at each end
     checkpoint_every: int = 0  # write a checkpoint every n rounds; 0 = only after the last round
     keep_checkpoints: int = 2  # the newest checkpoints kept in <run folder>/checkpoints
     resume: Optional[str] = None  # continue from a checkpoint file, or a run folder's newest one
@@ -339,6 +344,9 @@ class Config:
                  self.max_update_norm, "> 0, or null (no bound)")
         _require(self.max_moment_ratio == 0 or self.max_moment_ratio >= 1, "max_moment_ratio",
                  self.max_moment_ratio, ">= 1, or 0 (no check)")
+        _require(self.max_update_ratio == 0 or self.max_update_ratio >= 1, "max_update_ratio",
+                 self.max_update_ratio, ">= 1, or 0 (no check)")
+        self._require_aggregation()
         _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
                  ">= 0 (0 = only at the end)")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, ">= 1")
@@ -351,6 +359,34 @@ class Config:
                  debug.fail_rounds, f"rounds in [1, num_rounds={self.num_rounds}]")
         _require(bool(debug.fail_partitions) == bool(debug.fail_rounds), "debug.fail_rounds",
                  debug.fail_rounds, "non-empty exactly when debug.fail_partitions is")
+
+    def _require_aggregation(self) -> None:
+        """The aggregation rule, its trim and its weights must make sense for the round's sample
+        of S clients (fedact_app.aggregation): trimmed_mean drops k = ceil(trim_fraction x S) at
+        each end and needs S > 2k; the robust rules are unweighted; trim_fraction is read by
+        trimmed_mean only (another rule would ignore it)."""
+        _require_choice("aggregation", self.aggregation, AGGREGATIONS)
+        _require(0 < self.trim_fraction < 0.5, "trim_fraction", self.trim_fraction, "in (0, 0.5)")
+        if self.aggregation != "trimmed_mean":
+            _require(self.trim_fraction == TRIM_FRACTION, "trim_fraction", self.trim_fraction,
+                     f"only the default {TRIM_FRACTION} with aggregation={self.aggregation} (trimmed_mean reads it)")
+            if self.aggregation == "mean":
+                return
+        _require(self.algorithm.weighting == "uniform", "algorithm.weighting", self.algorithm.weighting,
+                 f"uniform with aggregation={self.aggregation}, which is unweighted (weighting=examples "
+                 "is for aggregation=mean)")
+        if self.aggregation != "trimmed_mean":
+            return
+        sampled = sample_count(self.num_clients, self.fraction_train, self.min_train_nodes)
+        _require(sampled >= 3, "aggregation", self.aggregation,
+                 f"mean or median when a round samples fewer than 3 clients (this config samples {sampled}: "
+                 f"fraction_train x num_clients, at least min_train_nodes); trimmed_mean drops one at "
+                 f"each end at least")
+        largest = (sampled - 1) // 2 / sampled  # the largest fraction with 2 ceil(f S) < S
+        trimmed = trim_count(sampled, self.trim_fraction)
+        _require(sampled > 2 * trimmed, "trim_fraction", self.trim_fraction,
+                 f"in (0, {largest:g}] for the {sampled} clients a round samples (ceil({self.trim_fraction:g} x "
+                 f"{sampled}) = {trimmed} dropped at each end would leave none)")
 
     def _require_task_combination(self) -> None:
         """The dataset and the model must be ones of the task (TASK_CHOICES)."""

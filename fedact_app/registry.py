@@ -1,7 +1,8 @@
 """Names and ranges, written once: the methods (and the algorithm config keys each reads), the tasks
-with their datasets and models, the trust enums, and the ranges of the optimizers'
-hyperparameters. No torch here: the config check (``fedact_app.config``) and the launcher's early
-check import this module, and a second matters there.
+with their datasets and models, the trust enums, the ranges of the optimizers' hyperparameters,
+and the server's aggregation rules with trimmed_mean's trim count. No torch here: the config check
+(``fedact_app.config``) and the launcher's early check import this module, and a second matters
+there.
 
 ``fedact_app.algorithms.ALGORITHMS`` pairs each method name with its client and server rules;
 ``fedact_app.tasks.base.build_task`` imports a task's class from ``TASKS`` when it is used.
@@ -11,6 +12,7 @@ rules agree with the lists here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,22 @@ FILE_DATASETS = tuple(d for d in DATASETS if d not in BUILTIN_DATASETS)  # may b
 TRUST_SCOPES = ("global", "tensor")  # one top-k over all coordinates | a top-k per tensor
 TRUST_SIGNALS = ("corrected", "local", "none")  # s = u * g | s = u_loc * g | phi = 1 (FedAdamW)
 WEIGHTINGS = ("uniform", "examples")  # the server's weights w_i
+
+# ---------------------------------------------------------------- the server's aggregation
+
+AGGREGATIONS = ("mean", "trimmed_mean", "median")  # how the server combines replies (fedact_app.aggregation)
+TRIM_FRACTION = 0.2  # trimmed_mean's default trim (Flower's FedTrimmedAvg default beta)
+# the round-relative bounds on a reply (fedact_app.replies): its v's norm, its update's norm, at
+# most this many times the round's lower median (docs/ROBUSTNESS.md has how the update bound was chosen)
+MAX_MOMENT_RATIO = 1e6
+MAX_UPDATE_RATIO = 10.0
+
+
+def trim_count(size: int, trim_fraction: float) -> int:
+    """k = ceil(trim_fraction * size), the values trimmed_mean drops at each end of a coordinate
+    (it needs size > 2k). The product is rounded to 9 decimals first: 0.3 * 10 is
+    3.0000000000000004 in floating point, and k must be 3."""
+    return math.ceil(round(trim_fraction * size, 9))
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,31 @@
-"""What a client reply may carry: decoding its records into a ``ClientUpdate`` and checking every
-array and number in it (docs/ROBUSTNESS.md has the table).
+"""What gets into a round: decoding each client reply into a ``ClientUpdate``, checking every array
+and number in it, and the round-relative bounds on the replies that pass (docs/ROBUSTNESS.md has
+the table). The strategy makes one call a round, :func:`accept_round`; what it accepts goes to the
+method's server rule (fedact_app.algorithms), which combines it (fedact_app.aggregation).
 
 A reply is untrusted input. Arrays must match the global state (names, shapes, dtypes) and be
 finite; second moments must be >= 0; the round's K and learning rate are the server's own
 (``RoundTerms``), so a reply naming others is refused and Delta_G divides by the server's K eta_r;
-every other number must be finite and in range. ``ReplyError`` names what is wrong.
+every other number must be finite and in range. ``ReplyError`` names what is wrong. Then each
+reply is measured against the round's others: a second moment or an update whose norm is far
+above the round's lower median is rejected (``RoundBounds``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from logging import WARNING
 
-from flwr.app import MetricRecord, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
+from flwr.common import log
 
 from fedact_app.algorithms import ClientUpdate, TensorDict
 from fedact_app.diagnostics import CLIENT_METRICS, global_norm
 from fedact_app.finite import all_finite
+from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
+from fedact_app.sampling import ClientKey
 
 
 class ReplyError(ValueError):
@@ -124,3 +132,156 @@ def _check_arrays(key: str, arrays: TensorDict, expected: TensorDict) -> None:
                              f"{tuple(expected[name].shape)} {expected[name].dtype}")
         if tensor.is_floating_point() and not all_finite(tensor):
             raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
+
+
+def check_partition(identity: ClientKey, metrics: MetricRecord) -> None:
+    """A reply's ``partition-id`` (when it sends one) must be an integer >= 0 and, for a node
+    that identified by its partition (``identity``, fedact_app.sampling), that partition."""
+    if "partition-id" not in metrics:
+        return
+    partition = count(metrics, "partition-id", minimum=0)
+    kind, identified, _ = identity
+    if kind == 0 and partition != identified:
+        raise ReplyError(f"metric 'partition-id' {partition} differs from the partition-id={identified} "
+                         f"this node identified as")
+
+
+# ---------------------------------------------------------------- the round's acceptance
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What a round accepts: the method's reply arrays (``reply_keys``; ``nonnegative``: second
+    moments) over the ``trainable`` parameters, and the bounds on a reply's size.
+
+    ``max_update_norm`` (None: off): an absolute bound on the update's L2 norm over the trainable
+    parameters. ``max_update_ratio`` (0: off): that norm may be at most this many times the
+    lower median of the positive norms among the round's replies. ``max_moment_ratio`` (0: off):
+    a second moment's norm must lie within this factor above or below the lower median of the
+    positive norms among the round's replies and the current broadcast (v_bar). Honest updates of
+    one round are within a small factor of each other (docs/ROBUSTNESS.md has the measured
+    ratios), and an honest v, a running mean of squared gradients started from v_bar, within a few
+    orders of magnitude; a reply far above (or a v far below) is forged or broken.
+    """
+
+    reply_keys: tuple[str, ...]
+    trainable: tuple[str, ...]
+    nonnegative: tuple[str, ...] = ()
+    max_update_norm: float | None = None
+    max_moment_ratio: float = MAX_MOMENT_RATIO
+    max_update_ratio: float = MAX_UPDATE_RATIO
+
+
+@dataclass
+class Accepted:
+    """One accepted reply: who sent it, its update, its metrics."""
+
+    key: ClientKey  # the client's identity (fedact_app.sampling)
+    node: int
+    update: ClientUpdate
+    metrics: dict
+
+
+@dataclass
+class RoundReplies:
+    """What :func:`accept_round` made of a round's replies."""
+
+    accepted: list[Accepted] = field(default_factory=list)  # in aggregation order: identity, node id
+    received: int = 0  # replies, Flower error replies included
+    rejected: int = 0  # replies not used: failed, or refused by a check
+    failed: int = 0  # Flower error replies (e.g. the ClientApp raised)
+    bytes_received: int = 0
+    update_ratio: float | None = None  # the largest accepted update norm over the round's median
+
+
+def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acceptance, *,
+                 state: TensorDict, terms: RoundTerms, identity: Callable[[int], ClientKey],
+                 broadcast: dict[str, TensorDict]) -> RoundReplies:
+    """The round's accepted replies, each rejection logged with node id and reason.
+
+    Every reply is decoded and checked (:func:`decode_update` against the global ``state`` and
+    the round's ``terms``; :func:`check_partition` against the node's ``identity``); the ones
+    that pass are put in a fixed order (float sums depend on their order and replies arrive in
+    any: the clients' identities, then node id, so a run repeats bit for bit) and measured
+    against each other (:func:`moment_outliers`, :func:`update_ratios`; ``broadcast``: the
+    server's current arrays, v_bar among them)."""
+    out = RoundReplies()
+    passed: list[Accepted] = []
+    for msg in replies:
+        out.received += 1
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            out.rejected += 1
+            out.failed += 1
+            log(WARNING, "round %d: node %d failed: %s", server_round, node, msg.error.reason)
+            continue
+        out.bytes_received += record_bytes(msg.content)
+        try:
+            update = decode_update(msg.content, state, acceptance.reply_keys, acceptance.trainable,
+                                   acceptance.nonnegative, acceptance.max_update_norm, terms)
+            check_partition(identity(node), msg.content["metrics"])
+        except ReplyError as err:
+            out.rejected += 1
+            log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, err)
+            continue
+        passed.append(Accepted(identity(node), node, update, dict(msg.content["metrics"])))
+    passed.sort(key=lambda item: (item.key, item.node))
+    updates = [item.update for item in passed]
+    reasons: dict[int, list[str]] = {}
+    for index, reason in moment_outliers(updates, acceptance.nonnegative, broadcast, acceptance.max_moment_ratio):
+        reasons.setdefault(index, []).append(reason)
+    ratios, median = update_ratios(updates, acceptance.trainable)
+    bound = acceptance.max_update_ratio
+    for index, ratio in enumerate(ratios):
+        if bound and ratio > bound:
+            reasons.setdefault(index, []).append(
+                f"update norm {ratio * median:.4g} is {ratio:.4g} times the round's median {median:.4g}, "
+                f"more than max_update_ratio={bound:g}")
+    for index, why in sorted(reasons.items()):
+        log(WARNING, "round %d: rejected reply of node %d: %s", server_round, passed[index].node, "; ".join(why))
+    out.rejected += len(reasons)
+    out.accepted = [item for index, item in enumerate(passed) if index not in reasons]
+    kept = [ratio for index, ratio in enumerate(ratios) if index not in reasons]
+    out.update_ratio = max(kept) if kept and median > 0 else None
+    return out
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The lower median: the middle value, or the smaller of the two middle ones; an attacker
+    holding half of the values cannot raise it above every honest one."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def update_ratios(updates: Sequence[ClientUpdate], trainable: Sequence[str]) -> tuple[list[float], float]:
+    """Each update's norm over the ``trainable`` parameters divided by the lower median of the
+    positive norms among them, and that median (0, with every ratio 0, when no norm is positive:
+    nothing to compare against)."""
+    norms = [global_norm({name: update.delta[name] for name in trainable}) for update in updates]
+    positive = [norm for norm in norms if norm > 0]
+    if not positive:
+        return [0.0] * len(norms), 0.0
+    median = lower_median(positive)
+    return [norm / median for norm in norms], median
+
+
+def moment_outliers(updates: Sequence[ClientUpdate], keys: Sequence[str], broadcast: dict[str, TensorDict],
+                    ratio: float) -> list[tuple[int, str]]:
+    """(index, reason) of each update whose second moment (each of ``keys``) has a norm more than
+    ``ratio`` times above or below the reference: the lower median of the positive norms among
+    the updates' and, once there is one, the current broadcast's (``<key>_bar``, e.g. v_bar). An
+    honest v after K steps is positive and within a few orders of magnitude of the others'; with
+    no positive norm to compare against nothing is rejected. ``ratio`` 0: no check."""
+    if not ratio or not updates:
+        return []
+    outliers = []
+    for key in keys:
+        norms = [global_norm(update.arrays[key]) for update in updates]
+        reference = [n for n in norms + ([global_norm(broadcast[f"{key}_bar"])]
+                                         if f"{key}_bar" in broadcast else []) if n > 0]
+        if not reference:
+            continue
+        median = lower_median(reference)
+        outliers += [(i, f"{key!r} norm {norm:.4g} is more than max_moment_ratio={ratio:g} times "
+                         f"{'above' if norm > median else 'below'} the round's median {median:.4g}")
+                     for i, norm in enumerate(norms) if not median / ratio <= norm <= median * ratio]
+    return outliers

@@ -11,6 +11,7 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from fedact_app.aggregation import Aggregation
 from fedact_app.algorithms import ALGORITHMS, TensorDict
 from fedact_app.checkpoint import Checkpointer, client_round_config, open_resume, restore, snapshot
 from fedact_app.config import Config, compose
@@ -85,14 +86,16 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
     checkpointer = Checkpointer(recorder.run_dir, cfg, resume.checkpoint.clients if resume else None)
     algorithm = cfg.algorithm
     strategy = AlgorithmStrategy(
-        ALGORITHMS[algorithm.name].server(algorithm, trainable, num_clients=cfg.num_clients),
+        ALGORITHMS[algorithm.name].server(algorithm, trainable, num_clients=cfg.num_clients,
+                                          aggregation=Aggregation(cfg.aggregation, cfg.trim_fraction)),
         trainable=trainable,
         local_steps=cfg.local_steps,
         lr_schedule=lambda r: cosine_lr(r, cfg.num_rounds, algorithm.lr, algorithm.lr_min),
         fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
         fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed, expected_nodes=cfg.num_clients,
         max_empty_rounds=cfg.max_empty_rounds, max_update_norm=cfg.max_update_norm,
-        batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio, wire_dtype=cfg.wire_dtype,
+        batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio,
+        max_update_ratio=cfg.max_update_ratio, wire_dtype=cfg.wire_dtype,
         train_config=client_round_config(checkpointer, resume))
     if resume is not None:
         restore(strategy, resume.checkpoint)

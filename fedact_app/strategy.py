@@ -22,13 +22,14 @@ Before a node is first sampled the strategy asks it who it is (a QUERY message; 
 Flower's node ids, so a seed fixes the client sequence and two methods at one seed see the same
 clients in the same rounds.
 
-The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms); this class holds
-no method state of its own. A reply is believed only where it cannot lie: the round's K and
-learning rate are the server's own (a reply naming others is rejected), every other number is
-checked (finite, in range, consistent with the model), and second moments far above the
-round's others are rejected (docs/ROBUSTNESS.md has the table). Rejected replies are logged
-with node id and reason, counted in the round's metrics and never reach the rule; a round with
-fewer than ``min_train_nodes`` accepted replies, or whose aggregate is not finite, changes
+The arithmetic lives in the method's ``ServerRule`` (fedact_app.algorithms, combining by
+fedact_app.aggregation); this class holds no method state of its own. What gets into a round is
+decided once, by fedact_app.replies.accept_round: a reply is believed only where it cannot lie
+(the round's K and learning rate are the server's own, every other number is checked), and a
+second moment or an update far above the round's others is rejected (docs/ROBUSTNESS.md has the
+table). Rejected replies are logged with node id and reason, counted in the round's metrics and
+never reach the rule; a round with fewer than ``min_train_nodes`` accepted replies, or whose
+aggregate is not finite, or that the rule refuses (too few replies for trimmed_mean), changes
 nothing. Each round's metrics carry the seed's diagnostics over the accepted replies: direction
 consistency, ||Delta_G|| and the clients' trust-score statistics (fedact_app.diagnostics).
 """
@@ -48,7 +49,8 @@ from flwr.serverapp.strategy import Strategy
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
 from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
 from fedact_app.finite import describe_names, non_finite
-from fedact_app.replies import ReplyError, RoundTerms, count, decode_update, number, record_bytes
+from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
+from fedact_app.replies import Acceptance, ReplyError, RoundTerms, accept_round, count, number, record_bytes
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
                                  sample_clients, sample_count, unidentified_key)
 from fedact_app.wire import array_record, to_wire
@@ -107,12 +109,11 @@ def warn_shared_partitions(server_round: int, order: Sequence[tuple[int, int]]) 
 
 
 class AlgorithmStrategy(Strategy):
-    """One strategy for every method: sampling, messaging and reply checks around a ``ServerRule``.
+    """One strategy for every method: sampling and messaging around a ``ServerRule``, with each
+    round's replies accepted by fedact_app.replies.accept_round.
 
-    ``batch_size`` bounds a reply's ``num-examples`` (K x batch_size); ``max_moment_ratio`` (0:
-    off) rejects a reply whose second moment's norm exceeds that many times the lower median of
-    the round's accepted ones (and of the current v_bar): an honest client's v is a running mean
-    of squared gradients started from v_bar, within a few orders of magnitude of the others'.
+    ``batch_size`` bounds a reply's ``num-examples`` (K x batch_size); ``max_update_norm``,
+    ``max_moment_ratio`` and ``max_update_ratio`` bound a reply's size (fedact_app.replies.Acceptance).
     """
 
     def __init__(self, rule: ServerRule, *, trainable: Sequence[str],
@@ -120,8 +121,9 @@ class AlgorithmStrategy(Strategy):
                  min_train_nodes: int, fraction_evaluate: float = 0.0, seed: int = 42,
                  expected_nodes: int = 0, max_empty_rounds: int = 3,
                  node_wait_timeout: float = 300.0, max_update_norm: float | None = None,
-                 batch_size: int | None = None, max_moment_ratio: float = 1e6,
-                 train_config: dict | None = None, wire_dtype: str = "float32") -> None:
+                 batch_size: int | None = None, max_moment_ratio: float = MAX_MOMENT_RATIO,
+                 max_update_ratio: float = MAX_UPDATE_RATIO, train_config: dict | None = None,
+                 wire_dtype: str = "float32") -> None:
         self.rule = rule
         self.trainable = list(trainable)
         self.local_steps = local_steps
@@ -133,9 +135,10 @@ class AlgorithmStrategy(Strategy):
         self.expected_nodes = expected_nodes
         self.max_empty_rounds = max_empty_rounds
         self.wire_dtype = wire_dtype
-        self.max_update_norm = max_update_norm
         self.batch_size = batch_size
-        self.max_moment_ratio = max_moment_ratio
+        self.acceptance = Acceptance(reply_keys=tuple(rule.reply_keys), trainable=tuple(self.trainable),
+                                     nonnegative=tuple(rule.nonnegative_keys), max_update_norm=max_update_norm,
+                                     max_moment_ratio=max_moment_ratio, max_update_ratio=max_update_ratio)
         self.train_config = dict(train_config or {})  # extra round-config entries for every client
         self.empty_rounds = 0  # consecutive rounds without a usable reply
         self.messages_sent = 0
@@ -252,42 +255,19 @@ class AlgorithmStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        terms = self.round_terms(server_round)
-        accepted, bytes_received, rejected, failed, received = [], 0, 0, 0, 0
-        for msg in replies:
-            received += 1
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                rejected += 1
-                failed += 1
-                log(WARNING, "round %d: node %d failed: %s", server_round, node, msg.error.reason)
-                continue
-            bytes_received += record_bytes(msg.content)
-            try:
-                update = decode_update(msg.content, self.state, self.rule.reply_keys, self.trainable,
-                                       self.rule.nonnegative_keys, self.max_update_norm, terms)
-                self.check_partition(node, msg.content["metrics"])
-            except ReplyError as err:
-                rejected += 1
-                log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, err)
-                continue
-            accepted.append((self.client_key_of(node), node, update, dict(msg.content["metrics"])))
-        missing = max(self.messages_sent - received, 0)
+        round_replies = accept_round(server_round, replies, self.acceptance, state=self.state,
+                                     terms=self.round_terms(server_round), identity=self.client_key_of,
+                                     broadcast=self.rule.broadcast())
+        accepted, rejected = round_replies.accepted, round_replies.rejected
+        missing = max(self.messages_sent - round_replies.received, 0)
         if missing:
             log(WARNING, "round %d: %d of %d sampled nodes sent no reply (timeout or gone)",
                 server_round, missing, self.messages_sent)
-        # Sums of floats depend on their order and replies arrive in any order: aggregate in a
-        # fixed one (the clients' identities, then node id), so a run repeats bit for bit.
-        accepted.sort(key=lambda item: item[:2])
-        outliers = dict(self.moment_outliers([update for _, _, update, _ in accepted]))
-        for index, reason in sorted(outliers.items()):
-            log(WARNING, "round %d: rejected reply of node %d: %s", server_round, accepted[index][1], reason)
-        rejected += len(outliers)
-        accepted = [item for index, item in enumerate(accepted) if index not in outliers]
         # rejected: replies not used (failed = Flower error replies, e.g. the ClientApp raised;
         # the rest failed the checks); missing: messages without any reply.
-        metrics = {"clients": len(accepted), "rejected": rejected, "failed": failed, "missing": missing,
-                   "bytes_sent": self.bytes_sent, "bytes_received": bytes_received}
+        metrics = {"clients": len(accepted), "rejected": rejected, "failed": round_replies.failed,
+                   "missing": missing, "bytes_sent": self.bytes_sent,
+                   "bytes_received": round_replies.bytes_received}
         if len(accepted) < max(self.min_train_nodes, 1):
             if accepted:
                 log(WARNING, "round %d: %d usable replies, fewer than min_train_nodes=%d; the global "
@@ -296,10 +276,10 @@ class AlgorithmStrategy(Strategy):
                 log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
             metrics.update(clients=0, rejected=rejected + len(accepted))
             return None, MetricRecord(metrics)
-        warn_shared_partitions(server_round, [(int(m.get("partition-id", -1)), node)
-                                              for _, node, _, m in accepted])
-        updates = [update for _, _, update, _ in accepted]
-        client_metrics = [m for _, _, _, m in accepted]
+        warn_shared_partitions(server_round, [(int(item.metrics.get("partition-id", -1)), item.node)
+                                              for item in accepted])
+        updates = [item.update for item in accepted]
+        client_metrics = [item.metrics for item in accepted]
         if not self.aggregate_finite(server_round, updates):
             metrics.update(clients=0, rejected=rejected + len(accepted))
             return None, MetricRecord(metrics)
@@ -309,45 +289,13 @@ class AlgorithmStrategy(Strategy):
         if seconds := [float(m["train-seconds"]) for m in client_metrics if "train-seconds" in m]:
             metrics["client_train_seconds"] = sum(seconds)  # local work of the round's clients, each by its clock
             metrics["client_train_seconds_max"] = max(seconds)  # the slowest client (stragglers)
+        if round_replies.update_ratio is not None:  # how close honest updates come to max_update_ratio
+            metrics["update_norm_ratio"] = round_replies.update_ratio
         metrics["direction_consistency"] = direction_consistency([u.delta for u in updates], self.trainable)
         if "delta_g" in (broadcast := self.rule.broadcast()):
             metrics["delta_g_norm"] = global_norm(broadcast["delta_g"])
         metrics.update(mean_client_statistics(client_metrics))
         return array_record(self.state), MetricRecord(metrics)
-
-    def check_partition(self, node: int, metrics: MetricRecord) -> None:
-        """A reply's ``partition-id`` (when it sends one) must be an integer >= 0 and, for a node
-        that identified by its partition, that partition."""
-        if "partition-id" not in metrics:
-            return
-        partition = count(metrics, "partition-id", minimum=0)
-        kind, identified, _ = self.client_key_of(node)
-        if kind == 0 and partition != identified:
-            raise ReplyError(f"metric 'partition-id' {partition} differs from the partition-id={identified} "
-                             f"this node identified as")
-
-    def moment_outliers(self, updates: Sequence[ClientUpdate]) -> list[tuple[int, str]]:
-        """(index, reason) of each update whose second moment (``ServerRule.nonnegative_keys``)
-        has a norm more than ``max_moment_ratio`` times above or below the reference: the lower
-        median of the positive norms among the updates' and, once there is one, the current
-        broadcast's (v_bar). An honest v after K steps is positive and within a few orders of
-        magnitude of the others'; with no positive norm to compare against nothing is rejected."""
-        if not self.max_moment_ratio or not updates:
-            return []
-        outliers = []
-        broadcast = self.rule.broadcast()
-        for key in self.rule.nonnegative_keys:
-            norms = [global_norm(update.arrays[key]) for update in updates]
-            reference = [n for n in norms + ([global_norm(broadcast[f"{key}_bar"])]
-                                             if f"{key}_bar" in broadcast else []) if n > 0]
-            if not reference:
-                continue
-            median = sorted(reference)[(len(reference) - 1) // 2]
-            ratio = self.max_moment_ratio
-            outliers += [(i, f"{key!r} norm {norm:.4g} is more than max_moment_ratio={ratio:g} times "
-                             f"{'above' if norm > median else 'below'} the round's median {median:.4g}")
-                         for i, norm in enumerate(norms) if not median / ratio <= norm <= median * ratio]
-        return outliers
 
     def aggregate_finite(self, server_round: int, updates: Sequence[ClientUpdate]) -> bool:
         """Aggregate ``updates`` into ``self.state`` and the rule's state, unless the rule refuses
@@ -356,7 +304,8 @@ class AlgorithmStrategy(Strategy):
         kept = self.rule.state_dict()
         try:
             new_state = self.rule.aggregate(self.state, updates)
-        except ValueError as err:  # e.g. SCAFFOLD: more updates than N clients (two nodes, one partition)
+        except ValueError as err:  # SCAFFOLD: more updates than N clients (two nodes, one partition);
+            # trimmed_mean: too few updates for its trim
             log(WARNING, "round %d: the server rule refused the %d replies (%s); the global model and "
                 "the server state are unchanged", server_round, len(updates), err)
             self.rule.load_state_dict(kept)

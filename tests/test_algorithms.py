@@ -4,8 +4,7 @@ the seed's server rule (Algorithm 1, lines 22-24) (x += server_lr * mean Delta; 
 import pytest
 import torch
 
-from fedact_app.algorithms import (ALGORITHMS, ClientUpdate, FedACTServer, client_weights,
-                                   mean_delta)
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, FedACTServer
 from fedact_app.config import AlgorithmConfig, ConfigError, compose
 
 
@@ -82,19 +81,6 @@ def test_buffers_are_averaged_without_server_lr_and_stay_out_of_correction():
     assert new_x["bn.num_batches_tracked"].dtype == torch.int64
     assert new_x["bn.num_batches_tracked"].item() == 6  # 4 + round(2.5) (round half to even)
     assert set(rule.delta_g) == {"w"} and set(rule.v_bar) == {"w"}
-
-
-def test_client_weights():
-    ups = [update({}, {}, examples=n) for n in (1, 3)]
-    assert client_weights(ups, "uniform") == [0.5, 0.5]
-    assert client_weights(ups, "examples") == [0.25, 0.75]
-    with pytest.raises(ValueError, match="weighting"):
-        client_weights(ups, "median")
-
-
-def test_mean_delta_integer_rounding():
-    ups = [update({"n": torch.tensor([1, 2])}, {}), update({"n": torch.tensor([2, 4])}, {})]
-    assert mean_delta(ups, [0.5, 0.5])["n"].tolist() == [2, 3]  # round(1.5)=2, round(3)=3
 
 
 def test_registry_fixes_trust_signal():

@@ -116,3 +116,11 @@ def test_bench_deploy_quick_prints_each_modes_rounds_and_the_gap_to_the_floor():
     for mode in ("floor", "warm"):
         assert re.search(rf"^\| {mode} \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d \|$", out, re.M), (mode, out)
     assert re.search(r"^warm - floor: median round [+-]\d+\.\d\d s, round 1 [+-]\d+\.\d\d s$", out, re.M), out
+
+
+def test_bench_aggregation_quick_prints_each_rule_against_the_mean():
+    out = run_script("bench_aggregation.py", "--quick", timeout=180)
+    assert "cnn_small: 19,466 trainable parameters in 6 tensors; 3 clients" in out
+    assert re.search(r"^mean +\d+\.\d +\[\d+\.\d-\d+\.\d\] +1\.00$", out, re.M), out
+    for rule in ("trimmed_mean", "median"):
+        assert re.search(rf"^{rule} +\d+\.\d +\[\d+\.\d-\d+\.\d\] +\d+\.\d\d$", out, re.M), (rule, out)

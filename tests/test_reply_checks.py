@@ -13,6 +13,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
+from fedact_app.aggregation import Aggregation
 from fedact_app.algorithms import ALGORITHMS
 from fedact_app.config import compose
 from fedact_app.strategy import AlgorithmStrategy
@@ -212,3 +213,75 @@ def test_a_non_finite_metric_is_written_as_json_null():
     line = json_line({"round": 3, "test_loss": math.nan, "train_loss": math.inf, "clients": 2})
     assert json.loads(line) == {"round": 3, "test_loss": None, "train_loss": None, "clients": 2}
     assert "NaN" not in line and "Infinity" not in line
+
+
+def test_a_scaled_update_is_rejected_with_both_norms_and_the_others_aggregate(caplog):
+    """Delta x 1e4 among honest replies: more than max_update_ratio (default 10) times the round's
+    lower median norm; x moves by the mean of the other two, and the log names both numbers."""
+    strategy = fedact_strategy(min_train_nodes=2)
+    strategy.messages_sent = 3
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, metrics = strategy.aggregate_train(1, [reply(1, content()), reply(2, content(delta_scale=1e4)),
+                                                  reply(3, content(delta_scale=0.8))])
+    assert (metrics["clients"], metrics["rejected"]) == (2, 1)
+    norm = (6 * 0.25 ** 2 + 2 * 0.5 ** 2) ** 0.5  # ||Delta|| over the trainable w, b at delta_scale 1
+    # the lower median of (0.8, 1, 1e4) x norm is norm
+    assert (f"rejected reply of node 2: update norm {1e4 * norm:.4g} is {1e4:.4g} times the round's median "
+            f"{norm:.4g}, more than max_update_ratio=10") in caplog.text
+    torch.testing.assert_close(strategy.state["w"], STATE["w"] + 0.25 * 0.9)
+    assert metrics["update_norm_ratio"] == pytest.approx(1.0)  # the largest accepted norm over the median
+
+
+def test_the_update_bound_uses_the_lower_median_so_one_of_two_cannot_raise_it():
+    strategy = fedact_strategy()
+    strategy.messages_sent = 2
+    _, metrics = strategy.aggregate_train(1, [reply(1, content()), reply(2, content(delta_scale=11.0))])
+    assert (metrics["clients"], metrics["rejected"]) == (1, 1)
+    strategy = fedact_strategy()
+    strategy.messages_sent = 2
+    _, metrics = strategy.aggregate_train(1, [reply(1, content()), reply(2, content(delta_scale=9.0))])
+    assert (metrics["clients"], metrics["rejected"]) == (2, 0) and metrics["update_norm_ratio"] == pytest.approx(9.0)
+
+
+def test_the_update_bound_can_be_turned_off_and_a_reply_failing_two_bounds_counts_once(caplog):
+    strategy = fedact_strategy(max_update_ratio=0)
+    strategy.messages_sent = 2
+    _, metrics = strategy.aggregate_train(1, [reply(1, content()), reply(2, content(delta_scale=1e4))])
+    assert metrics["clients"] == 2 and metrics["update_norm_ratio"] == pytest.approx(1e4)
+    strategy = fedact_strategy()
+    strategy.messages_sent = 3
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, metrics = strategy.aggregate_train(1, [reply(1, content()), reply(2, content(delta_scale=1e4, v=1e30)),
+                                                  reply(3, content())])
+    assert (metrics["clients"], metrics["rejected"]) == (2, 1)
+    assert "rejected reply of node 2: 'v' norm" in caplog.text and "; update norm" in caplog.text
+
+
+@pytest.mark.parametrize("aggregation", ["trimmed_mean", "median"])
+def test_a_robust_rule_takes_the_middle_of_the_accepted_replies(aggregation):
+    """Through the strategy: the bound off, a client 5x the others is kept, and the robust rule
+    (3 replies: trimmed_mean drops one at each end, as median does) gives the middle one."""
+    cfg = compose(["algorithm=fedact"]).algorithm
+    rule = ALGORITHMS["fedact"].server(cfg, TRAINABLE, aggregation=Aggregation(aggregation))
+    strategy = AlgorithmStrategy(rule, trainable=TRAINABLE, local_steps=K, lr_schedule=lambda r: LR,
+                                 fraction_train=1.0, min_train_nodes=1, batch_size=BATCH, max_update_ratio=0)
+    strategy.state = {n: t.clone() for n, t in STATE.items()}
+    strategy.messages_sent = 3
+    _, metrics = strategy.aggregate_train(1, [reply(1, content(delta_scale=1.0)), reply(2, content(delta_scale=5.0)),
+                                              reply(3, content(delta_scale=1.5))])
+    assert metrics["clients"] == 3
+    torch.testing.assert_close(strategy.state["w"], STATE["w"] + 0.25 * 1.5)
+    torch.testing.assert_close(strategy.rule.state_dict()["delta_g"]["w"], torch.full((2, 3), -0.25 * 1.5 / (K * LR)))
+
+
+def test_a_round_too_small_for_the_trim_changes_nothing(caplog):
+    cfg = compose(["algorithm=fedact"]).algorithm
+    rule = ALGORITHMS["fedact"].server(cfg, TRAINABLE, aggregation=Aggregation("trimmed_mean"))
+    strategy = AlgorithmStrategy(rule, trainable=TRAINABLE, local_steps=K, lr_schedule=lambda r: LR,
+                                 fraction_train=1.0, min_train_nodes=1, batch_size=BATCH)
+    strategy.state = {n: t.clone() for n, t in STATE.items()}
+    strategy.messages_sent = 2
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        arrays, metrics = strategy.aggregate_train(1, [reply(1, content()), reply(2, content())])
+    assert arrays is None and metrics["clients"] == 0 and unchanged(strategy)
+    assert "the server rule refused the 2 replies (trimmed_mean with trim_fraction=0.2" in caplog.text
