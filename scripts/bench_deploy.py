@@ -17,7 +17,7 @@ down again; the cluster's start is not timed. The modes:
   and answers at once with arrays of the app's reply shapes, on the same cluster set-up: the
   seconds a round costs before any app does anything;
 - **simulation**: ``python -m fedact_app.cli.launch``'s run of the same config, each client with
-  all of the machine's CPUs (as many torch threads as a SuperNode's worker has).
+  as many CPUs (so torch threads) as ``local_cluster.py`` gives each SuperNode.
 
 Per mode: the median round of rounds 2..R (``metrics.jsonl`` ``seconds``; the floor's own clock),
 round 1, and the whole run (submitted to finished, as ``flwr ls`` reports it). The plain loop's
@@ -76,10 +76,10 @@ def deployed(mode: str, overrides: str, plain: dict, work: Path, cuda_devices: l
     return {**bench_run.run_record(work / "out"), "wall": wall, "run_dir": str(_run_dir(work / "out"))}
 
 
-def simulated(overrides: str, work: Path) -> dict:
-    """The launcher's run of the same config, every client with all the machine's CPUs."""
-    cpus = bench_run.os.cpu_count() or 1
-    record = bench_run.app_alone(overrides, work / "out", cpus)
+def simulated(overrides: str, plain: dict, work: Path) -> dict:
+    """The launcher's run of the same config, each client with the CPUs (so the torch threads) a
+    local cluster's SuperNode gets (``local_cluster.threads_per_node``)."""
+    record = bench_run.app_alone(overrides, work / "out", lc.threads_per_node(plain["num_clients"]))
     return {**record, "run_dir": str(_run_dir(work / "out"))}
 
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in order:
                 work = Path(tmp) / f"{mode}-{repeat}"
                 work.mkdir()
-                record = simulated(overrides, work) if mode == "simulation" else \
+                record = simulated(overrides, plain, work) if mode == "simulation" else \
                     deployed(mode, overrides, plain, work, cuda)
                 results[mode].append(record)
                 print(f"{mode} #{repeat + 1}: rounds " + ", ".join(f"{s:.2f}" for s in record["rounds"])
