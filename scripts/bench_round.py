@@ -3,6 +3,14 @@
     python scripts/bench_round.py                     # digits / cnn_small, 4 clients x 50 steps, 5 rounds
     python scripts/bench_round.py --quick             # ~30 s: 2 clients x 5 steps, 2 rounds (CI smoke)
     python scripts/bench_round.py --overrides "dataset=synthetic model=resnet18" --num-gpus 1
+    python scripts/bench_round.py --paper             # the seed's round on a GPU (below)
+    python scripts/bench_round.py --paper --overrides "precision=bf16"   # ... with settings of yours
+
+``--paper`` is the seed's vision round at CIFAR-100's shape, on synthetic data (no download):
+ViT-Tiny, 100 classes at 32 x 32, 50,000 training images, batch 50, 10 clients x K = 50 steps,
+all on CUDA, one CPU and 0.1 GPU per simulated client (``PAPER``), 5 rounds; it also prints how
+busy the GPU was during the measured rounds (``nvidia-smi``: gpu_busy.py) and what a 300-round
+run takes at the measured round (``--project-rounds``).
 
 Both sides do the same work per round: all S clients (``fraction_train=1``) run K local FedACT
 steps on their own partition, then the server aggregates (x, v_bar, Delta_G).
@@ -43,8 +51,9 @@ import time
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1]
-if str(APP_DIR) not in sys.path:
-    sys.path.insert(0, str(APP_DIR))
+for _path in (APP_DIR, APP_DIR / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 from flwr.app import MetricRecord, RecordDict  # noqa: E402
@@ -54,14 +63,19 @@ from fedact_app.config import Config, compose  # noqa: E402
 from fedact_app.tasks.vision.batches import BatchStream  # noqa: E402
 from fedact_app.tasks.vision.data import load_client_train  # noqa: E402
 from fedact_app.diagnostics import direction_consistency, global_norm  # noqa: E402
-from fedact_app.cli.launch import run_simulation  # noqa: E402
+from fedact_app.cli.launch import automatic_gpus, run_simulation  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
 from fedact_app.train import batch_generator, cosine_lr, resolve_device, train_steps  # noqa: E402
 from fedact_app.wire import array_record  # noqa: E402
+from gpu_busy import GpuBusy  # noqa: E402  (scripts/)
 
 FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client optimizer is FedACTAdamW
+PAPER_OVERRIDES = ("dataset=synthetic dataset.num_classes=100 dataset.image_size=32 dataset.channels=3 "
+                   "dataset.mean=[0.5,0.5,0.5] dataset.std=[0.25,0.25,0.25] dataset.num_train=50000 "
+                   "dataset.num_test=10000 model=vit_tiny batch_size=50 device=cuda algorithm=fedact")
+PAPER = dict(clients=10, local_steps=50, rounds=5, num_cpus=1, num_gpus=0.1)  # --paper's flags
 
 
 def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
@@ -74,9 +88,12 @@ def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
     ]).strip()
 
 
-def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) -> tuple[list[dict], float]:
-    """The rows of metrics.jsonl of one simulation run, and the run's whole wall time."""
+def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) -> tuple[list[dict], dict]:
+    """The rows of metrics.jsonl of one simulation run, and its times: ``wall`` (the whole run),
+    ``round1_start`` (seconds from the launch to round 1's start: start-up and the initial
+    evaluation) and ``round_ends`` (Unix time at the end of each row's round)."""
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    begun = time.time()
     result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=args.clients,
                             num_cpus_per_client=args.num_cpus, num_gpus_per_client=args.num_gpus,
                             timeout=args.timeout, env=env, cwd=output_dir)
@@ -87,7 +104,14 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     if not metrics:
         raise RuntimeError(f"no metrics.jsonl under {output_dir}:\n{result.tail()}")
     rows = [json.loads(line) for line in metrics[-1].read_text().splitlines() if line.strip()]
-    return [row for row in rows if row["round"] >= 1], result.seconds
+    rows = [row for row in rows if row["round"] >= 1]
+    summary = json.loads((metrics[-1].parent / "summary.json").read_text())
+    round1 = summary["started_at"] + summary["seconds"] - sum(r["seconds"] for r in rows)
+    ends, clock = [], round1
+    for row in rows:
+        clock += row["seconds"]
+        ends.append(clock)
+    return rows, {"wall": result.seconds, "round1_start": round1 - begun, "round_ends": ends}
 
 
 def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
@@ -185,21 +209,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 1,
                         help="CPUs per simulated client (default: all, so clients run one at a time as in "
                              "the plain loop); also the plain loop's torch threads")
-    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per simulated client")
+    parser.add_argument("--num-gpus", type=float, default=None,
+                        help="GPUs per simulated client (default: the launcher's automatic share)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the Flower run")
     parser.add_argument("--quick", action="store_true", help="2 clients x 5 steps, 2 rounds (a smoke run)")
+    parser.add_argument("--paper", action="store_true",
+                        help="the seed's round on a GPU (module docstring); --overrides are added to its own")
+    parser.add_argument("--project-rounds", type=int, default=300,
+                        help="rounds of the run projected from the measured round (default 300, the seed's)")
     args = parser.parse_args(argv)
+    if args.quick and args.paper:
+        parser.error("--quick and --paper exclude each other")
     if args.quick:
         args.clients, args.local_steps, args.rounds = 2, 5, 2
+    if args.paper:
+        vars(args).update(PAPER)
+        args.overrides = f"{PAPER_OVERRIDES} {args.overrides}".strip()
     torch.set_num_threads(args.num_cpus)
 
     with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
         output_dir = Path(tmp).resolve()
         overrides = round_overrides(args, output_dir)
         cfg = compose(overrides)
+        if args.num_gpus is None:
+            args.num_gpus = automatic_gpus(APP_DIR, overrides, args.num_cpus)
         plain = measured(plain_rounds(cfg, args.rounds), args.rounds)
-        flower_rows, flower_wall = flower_rounds(overrides, args, output_dir)
+        with GpuBusy() as busy:
+            flower_rows, times = flower_rounds(overrides, args, output_dir)
     flower = measured(flower_rows, args.rounds)
+    flower_wall = times["wall"]
 
     def median(rows: list[dict], key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in rows)
@@ -231,6 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     bytes_round = median(flower, "bytes_sent") + median(flower, "bytes_received") if "bytes_sent" in flower[0] else 0
     print(f"bytes per round (sent + received): {bytes_round / 2**20:.1f} MiB")
     print(f"ratio Flower / plain loop: {flower_round / plain_round:.2f}")
+    if device.type == "cuda":
+        ends = times["round_ends"]
+        first, last = flower[0]["round"], flower[-1]["round"]
+        share = busy.mean(ends[first - 2] if first > 1 else ends[0] - flower_rows[0]["seconds"], ends[last - 1])
+        print(f"GPU busy during rounds {first}..{last} (nvidia-smi utilization, mean of "
+              f"{busy.period_ms} ms samples): " + ("n/a (no samples)" if share is None else f"{share:.0f}%"))
+    rounds_done = flower_rows[-1]["round"]
+    projected = times["round1_start"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round
+    print(f"round 1 started {times['round1_start']:.1f} s after the launch; this {rounds_done}-round run took "
+          f"{flower_wall:.1f} s; a {args.project_rounds}-round run at this round: {projected:.0f} s "
+          f"({projected / 60:.1f} min)")
     return 0
 
 

@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--grid", nargs="*", default=[], help="settings swept, e.g. partition.alpha=0.1,0.6")
     run.add_argument("--tuned", type=Path, default=None, help="scripts/tune.py's tuned.yaml: each method's own overrides")
     run.add_argument("--rerun", action="store_true", help="run completed jobs again too")
-    run.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per simulated client")
+    run.add_argument("--num-gpus", type=float, default=None,
+                     help="GPUs per simulated client (default: the automatic share of fedact_app/cli/resources.py)")
     run.add_argument("--num-cpus", type=int, default=1, help="CPUs per simulated client")
     run.add_argument("--timeout", type=float, default=86400.0, help="seconds per run")
     run.add_argument("--max-parallel", type=int, default=1,

@@ -14,7 +14,9 @@ invalid value is recorded and the sweep goes on. A value Hydra itself cannot com
 key, a wrong type) stops the sweep before any run starts: Hydra composes every combination first.
 
 Launcher options, given before or between the Hydra overrides:
-    --num-gpus F     GPUs per simulated client (default 0: CPU)
+    --num-gpus F     GPUs per simulated client (default: where a GPU is visible and device is not
+                     cpu, GPUs / (clients training at once x --max-parallel), else 0;
+                     fedact_app/cli/resources.py)
     --num-cpus N     CPUs per simulated client (default 1)
     --timeout S      seconds per run (default 86400)
     --max-parallel N runs computing at once (default 1: one Ray cluster, a job starting while the
@@ -63,6 +65,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from fedact_app.config import CONF_DIR, to_config  # noqa: E402  (also registers the schema)
 from fedact_app.cli.engine import LocalEngine  # noqa: E402
+from fedact_app.cli.resources import client_gpus  # noqa: E402
 
 DEFAULT_DIR = "sweeps/${now:%Y%m%d-%H%M%S}"
 SUMMARY_COLUMNS = ("job", "status", "final_test_accuracy", "best_test_accuracy", "seconds", "overrides")
@@ -70,7 +73,7 @@ SUMMARY_COLUMNS = ("job", "status", "final_test_accuracy", "best_test_accuracy",
 
 @dataclass(frozen=True)
 class LaunchOptions:
-    num_gpus: float = 0.0
+    num_gpus: float | None = None  # None: fedact_app.cli.resources's automatic share, per job
     num_cpus: int = 1
     timeout: float = 86400.0
     max_parallel: int = 1
@@ -84,7 +87,7 @@ class LaunchOptions:
 def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     """Split this script's own options off the command line; the rest goes to Hydra."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--num-gpus", type=float, default=0.0)
+    parser.add_argument("--num-gpus", type=float, default=None)
     parser.add_argument("--num-cpus", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=86400.0)
     parser.add_argument("--max-parallel", type=int, default=1)
@@ -119,14 +122,15 @@ def run_combination(cfg: DictConfig, overrides: list[str], job_dir: Path, launch
 
     try:
         config = to_config(cfg)
-    except Exception as err:  # ConfigError and anything else the schema checks raise
+        num_gpus = client_gpus(config, launch.num_cpus, launch.num_gpus, runs_at_once=launch.max_parallel)
+    except Exception as err:  # ConfigError and anything else the schema checks raise; device=cuda without a GPU
         return done("invalid config", f"{type(err).__name__}: {err}")
     run_overrides = [o for o in overrides if not o.startswith("output_dir=")]
     run_overrides.append(f"output_dir={hydra_quoted(str(job_dir))}")
     try:
         result = engine.run(APP_DIR, overrides=" ".join(shlex.quote(o) for o in run_overrides),
                             num_supernodes=config.num_clients, num_cpus_per_client=launch.num_cpus,
-                            num_gpus_per_client=launch.num_gpus, timeout=launch.timeout)
+                            num_gpus_per_client=num_gpus, timeout=launch.timeout)
     except Exception as err:  # the SuperLink did not start or the run was not accepted
         return done("launch error", f"{type(err).__name__}: {err}")
     (job_dir / "flower.log").write_text(result.log)

@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///tuning/optuna.db")
     parser.add_argument("--study-name", default="fedact-tune", help="prefix of the Optuna study names")
     parser.add_argument("--sampler-seed", type=int, default=0)
-    parser.add_argument("--num-gpus", type=float, default=0.0)
+    parser.add_argument("--num-gpus", type=float, default=None,
+                        help="GPUs per simulated client (default: the automatic share of fedact_app/cli/resources.py)")
     parser.add_argument("--num-cpus", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=86400.0, help="seconds per run")
     args = parser.parse_args(argv)

@@ -33,6 +33,23 @@ def test_bench_round_quick_prints_the_split_and_the_ratio():
                 "idle / overhead", "plain PyTorch loop round"):
         assert re.search(rf"^ *{re.escape(row)}.* +\d+\.\d+", out, re.M), (row, out)
     assert re.search(r"^ratio Flower / plain loop: \d+\.\d+$", out, re.M), out
+    assert re.search(r"^round 1 started \d+\.\d s after the launch; this 2-round run took \d+\.\d s; "
+                     r"a 300-round run at this round: \d+ s", out, re.M), out
+
+
+def test_bench_round_paper_is_the_seeds_round_on_a_gpu():
+    """``--paper``: ViT-Tiny on CIFAR-100's shape, batch 50, 10 clients x K = 50, 0.1 GPU each."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_round
+    from fedact_app.config import compose
+
+    cfg = compose(bench_round.PAPER_OVERRIDES)
+    assert (cfg.model.name, cfg.dataset.name, cfg.dataset.num_classes, cfg.dataset.image_size) == (
+        "vit_tiny", "synthetic", 100, 32)
+    assert (cfg.dataset.num_train, cfg.batch_size, cfg.device, cfg.algorithm.name) == (50000, 50, "cuda", "fedact")
+    assert bench_round.PAPER == dict(clients=10, local_steps=50, rounds=5, num_cpus=1, num_gpus=0.1)
+    with pytest.raises(SystemExit):
+        bench_round.main(["--paper", "--quick"])
 
 
 @pytest.mark.e2e

@@ -9,5 +9,6 @@ SuperNode's warm worker, ``fedact_app.node_worker``, uses to tell whether its Su
 - :mod:`.flwr` - the ``flwr`` CLI and the Control API as the engine and
   ``scripts/deploy/local_cluster.py`` drive them: console scripts, a ``FLWR_HOME`` with one
   connection, run configs as TOML, JSON answers, submitting a run and following it to the end.
+- :mod:`.resources` - each simulated client's GPU share when ``--num-gpus`` is not given.
 - :mod:`.procs` - process trees (``/proc``): what is alive, what a process spawned, signals.
 """

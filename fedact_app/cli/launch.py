@@ -51,6 +51,7 @@ from typing import Any
 from fedact_app.cli.engine import CONNECTION, LocalEngine, RunResult
 from fedact_app.cli.flwr import LaunchError, toml_loads
 from fedact_app.cli.procs import pid_alive
+from fedact_app.cli import resources
 
 __all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "supernodes_for"]
 
@@ -63,7 +64,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     overrides: str = "",
     num_supernodes: int = 2,
     num_cpus_per_client: int = 1,
-    num_gpus_per_client: float = 0.0,
+    num_gpus_per_client: float | None = None,
     run_config: Mapping[str, Any] | None = None,
     timeout: float = 600.0,
     flwr_home: str | Path | None = None,
@@ -83,7 +84,9 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     num_supernodes, num_cpus_per_client, num_gpus_per_client: simulation federation
         (``--federation-config num-supernodes=... client-resources-num-cpus=...
         client-resources-num-gpus=...``). Flower's proto field for CPUs is an integer.
-        ClientApps see no GPU unless ``num_gpus_per_client > 0``.
+        ClientApps see no GPU unless ``num_gpus_per_client > 0``; None (the default) gives each
+        client the automatic share of :mod:`fedact_app.cli.resources` (0 where no GPU is visible,
+        and where the overrides do not compose: the run then reports their error).
     run_config: further run-config keys (must exist in ``[tool.flwr.app.config]``).
     timeout: seconds for the run once the SuperLink is up (its start has a limit of its own,
         ``engine.STARTUP_TIMEOUT``); an unfinished run is reported with ``timed_out=True``.
@@ -100,6 +103,9 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     LaunchError: the SuperLink did not start or did not accept the run.
     """
     t0 = time.monotonic()
+    if num_gpus_per_client is None:
+        submitted = overrides or str((run_config or {}).get("overrides", ""))
+        num_gpus_per_client = automatic_gpus(Path(app_dir), submitted, num_cpus_per_client)
     engine = LocalEngine(shared_ray=False, env=env, cwd=cwd, flwr_home=flwr_home)
     with engine:  # checks the arguments, then starts the SuperLink; stops it on the way out
         result = engine.run(app_dir, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
@@ -128,15 +134,13 @@ def _parse_run_config(items: Iterable[str]) -> dict[str, Any]:
     return config
 
 
-def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
-    """The number of SuperNodes to simulate. For a FedACT app (a checkout with
-    ``fedact_app/config.py`` and ``conf/config.yaml``) the overrides are composed here first, so a
-    bad key or value fails in a second with its message (ValueError) instead of inside the run;
-    so do the values naming files (:func:`check_local_files`). There is one SuperNode per client:
-    ``num_clients`` by default; another number is refused, since every ClientApp would refuse the
-    run. Another app: ``requested``, default 2."""
+def app_config(app: Path, overrides: str) -> Any | None:
+    """The composed config of a FedACT app (a checkout with ``fedact_app/config.py`` and
+    ``conf/config.yaml``), None for another app. A bad key or value fails here in a second with
+    its message (ValueError) instead of inside the run; so do the values naming files
+    (:func:`check_local_files`)."""
     if not ((app / "fedact_app" / "config.py").is_file() and (app / "conf" / "config.yaml").is_file()):
-        return 2 if requested is None else requested
+        return None
     from fedact_app.config import compose  # Hydra: only for the app's own configuration
 
     try:
@@ -145,11 +149,36 @@ def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
         cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
         raise ValueError(f"{err}{cause}".strip()) from None
     check_local_files(cfg)
+    return cfg
+
+
+def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
+    """The number of SuperNodes to simulate: for a FedACT app one per client, ``num_clients`` of
+    its config (:func:`app_config`); another number is refused, since every ClientApp would
+    refuse the run. Another app: ``requested``, default 2."""
+    return clients_of(app_config(app, overrides), requested)
+
+
+def clients_of(cfg: Any | None, requested: int | None) -> int:
+    """:func:`supernodes_for` of an already composed config (None: another app)."""
+    if cfg is None:
+        return 2 if requested is None else requested
     if requested is not None and requested != cfg.num_clients:
         raise ValueError(f"--num-supernodes {requested} differs from num_clients={cfg.num_clients}: "
                          f"each SuperNode is one client; pass --num-supernodes {cfg.num_clients}, or "
                          f"num_clients={requested} in --overrides")
     return cfg.num_clients
+
+
+def automatic_gpus(app: Path, overrides: str, num_cpus_per_client: int) -> float:
+    """The automatic GPU share of :func:`run_simulation`: 0 without a visible GPU (no config
+    composed then) or when the overrides do not compose."""
+    if resources.visible_gpus() == 0:
+        return 0.0
+    try:
+        return resources.client_gpus(app_config(app, overrides), num_cpus_per_client, None)
+    except ValueError:  # the run itself reports what is wrong with the config
+        return 0.0
 
 
 def check_local_files(cfg: Any) -> None:
@@ -180,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="SuperNodes, one per client (default: num_clients of this FedACT app's "
                              "config with the overrides; 2 for another app)")
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per ClientApp")
-    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per ClientApp")
+    parser.add_argument("--num-gpus", type=float, default=None,
+                        help="GPUs per ClientApp (default: GPUs / clients training at once where a GPU is "
+                             "visible and device is not cpu, else 0; fedact_app/cli/resources.py)")
     parser.add_argument(
         "--run-config", action="append", default=[], metavar="KEY=VALUE",
         help="another run-config key (repeatable)",
@@ -197,17 +228,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         submitted = args.overrides or str(run_config.get("overrides", ""))  # what run_simulation sends
-        num_supernodes = supernodes_for(Path(args.app), submitted, args.num_supernodes)
+        cfg = app_config(Path(args.app), submitted)
+        num_supernodes = clients_of(cfg, args.num_supernodes)
+        num_gpus = resources.client_gpus(cfg, args.num_cpus, args.num_gpus)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    print(f"[launch] {num_supernodes} SuperNodes; {resources.describe_share(num_gpus, args.num_gpus)}", flush=True)
     try:
         result = run_simulation(
             args.app,
             overrides=args.overrides,
             num_supernodes=num_supernodes,
             num_cpus_per_client=args.num_cpus,
-            num_gpus_per_client=args.num_gpus,
+            num_gpus_per_client=num_gpus,
             run_config=run_config,
             timeout=args.timeout,
             flwr_home=args.flwr_home,
