@@ -10,7 +10,27 @@ from pathlib import Path
 
 import pytest
 
-from fedact_app.cli.engine import LocalEngine
+import fedact_app.train
+
+# Bound before any app module imports resolve_device by name (they all take this one).
+_resolve_device = fedact_app.train.resolve_device
+_CURRENT_TEST: list[pytest.Item] = []
+
+
+def _pinned_resolve_device(device: str):
+    """``resolve_device`` that fails a test resolving ``device=auto`` in this process unless it
+    is marked ``any_device``: on a machine with a GPU, auto is CUDA, and a test comparing with a
+    CPU computation would then fail there only. Tests pin ``device=cpu`` (or ask for cuda)."""
+    item = _CURRENT_TEST[-1] if _CURRENT_TEST else None
+    if device == "auto" and item is not None and item.get_closest_marker("any_device") is None:
+        pytest.fail(f"{item.nodeid} resolves device=auto, which is CUDA on a GPU machine: pin device=cpu "
+                    "in its config (or mark it any_device when it holds on every device)", pytrace=False)
+    return _resolve_device(device)
+
+
+fedact_app.train.resolve_device = _pinned_resolve_device
+
+from fedact_app.cli.engine import LocalEngine  # noqa: E402
 
 for _key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "FLWR_DISABLE_UPDATE_CHECK"):
     os.environ[_key] = "1"
@@ -26,6 +46,15 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per CPU this process may run on (a container's limit, not the
     host's count), at most 4."""
     return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _CURRENT_TEST.append(item)
+    try:
+        return (yield)
+    finally:
+        _CURRENT_TEST.pop()
 
 
 def pytest_collection_modifyitems(items):

@@ -407,7 +407,7 @@ def test_scaffold_c_i_lives_in_each_clients_context_state():
     from fedact_app.config import compose
     from fedact_app.tasks.vision.models import build_model
 
-    overrides = "algorithm=scaffold num_clients=3 local_steps=3 batch_size=16"
+    overrides = "algorithm=scaffold num_clients=3 local_steps=3 batch_size=16 device=cpu"
     cfg = compose(overrides)
     x0 = {k: v.detach().clone() for k, v in build_model(cfg.model, cfg.dataset).state_dict().items()}
     trainable = [n for n, p in build_model(cfg.model, cfg.dataset).named_parameters()]

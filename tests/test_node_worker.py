@@ -28,7 +28,7 @@ from fedact_app.tasks.vision.models import build_model
 
 pytestmark = pytest.mark.timeout(300)
 # SCAFFOLD: the client keeps c_i in its Context.state, which must travel to the worker and back
-RUN = "algorithm=scaffold num_clients=2 local_steps=3 batch_size=16"
+RUN = "algorithm=scaffold num_clients=2 local_steps=3 batch_size=16 device=cpu"
 
 
 @pytest.fixture
