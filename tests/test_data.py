@@ -129,6 +129,23 @@ def test_synthetic_shape_and_determinism():
     assert not np.array_equal(a.images, c.images)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 40, 1000])
+def test_synthetic_images_drawn_in_chunks_are_the_one_draw_formula(chunk):
+    """The images are clip(means[labels] + normal(0, 0.3, (n, c, h, w)), 0, 1) in float32, the
+    noise one stream from the split's seed, whatever the chunk (one image, a ragged last chunk,
+    the whole split, more than it)."""
+    cfg = synthetic_cfg(channels=3, mean=[0.0] * 3, std=[1.0] * 3, image_size=5, num_train=40, num_test=12)
+    train, test = splits._synthetic_splits(cfg, 11, chunk=chunk)
+    means_seq, *split_seqs = np.random.SeedSequence(11).spawn(3)
+    means = np.random.default_rng(means_seq).uniform(0.0, 1.0, (4, 3, 5, 5))
+    for split, seq, n in zip((train, test), split_seqs, (40, 12)):
+        rng = np.random.default_rng(seq)
+        labels = rng.permutation(np.arange(n) % 4)
+        images = np.clip(means[labels] + rng.normal(0.0, 0.3, (n, 3, 5, 5)), 0.0, 1.0).astype(np.float32)
+        assert np.array_equal(split.labels, labels) and np.array_equal(split.images, images)
+        assert split.images.dtype == np.float32
+
+
 # ----------------------------------------------------------------------------------------------
 # partitions
 
