@@ -5,6 +5,7 @@
     python scripts/bench_round.py --overrides "dataset=synthetic model=resnet18" --num-gpus 1
     python scripts/bench_round.py --paper             # the seed's round on a GPU (below)
     python scripts/bench_round.py --paper --overrides "precision=bf16"   # ... with settings of yours
+    python scripts/bench_round.py --paper --num-gpus 0.5 --rounds 8      # ... and flags of yours
 
 ``--paper`` is the seed's vision round at CIFAR-100's shape, on synthetic data (no download):
 ViT-Tiny, 100 classes at 32 x 32, 50,000 training images, batch 50, 10 clients x K = 50 steps,
@@ -75,7 +76,7 @@ FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client o
 PAPER_OVERRIDES = ("dataset=synthetic dataset.num_classes=100 dataset.image_size=32 dataset.channels=3 "
                    "dataset.mean=[0.5,0.5,0.5] dataset.std=[0.25,0.25,0.25] dataset.num_train=50000 "
                    "dataset.num_test=10000 model=vit_tiny batch_size=50 device=cuda algorithm=fedact")
-PAPER = dict(clients=10, local_steps=50, rounds=5, num_cpus=1, num_gpus=0.1)  # --paper's flags
+PAPER = dict(clients=10, local_steps=50, rounds=5, num_cpus=1, num_gpus=0.1)  # --paper's flags, unless given
 
 
 def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
@@ -218,12 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project-rounds", type=int, default=300,
                         help="rounds of the run projected from the measured round (default 300, the seed's)")
     args = parser.parse_args(argv)
+    given = {name for name in PAPER if getattr(args, name) != parser.get_default(name)}
     if args.quick and args.paper:
         parser.error("--quick and --paper exclude each other")
     if args.quick:
         args.clients, args.local_steps, args.rounds = 2, 5, 2
     if args.paper:
-        vars(args).update(PAPER)
+        vars(args).update({name: value for name, value in PAPER.items() if name not in given})
         args.overrides = f"{PAPER_OVERRIDES} {args.overrides}".strip()
     torch.set_num_threads(args.num_cpus)
 

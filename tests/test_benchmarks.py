@@ -1,6 +1,7 @@
 """CPU smoke of the benchmark scripts in quick mode: they run and print their tables and ratios.
 Their speed is not checked here (docs/PERFORMANCE.md has the figures and how they were taken)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -141,3 +142,15 @@ def test_bench_aggregation_quick_prints_each_rule_against_the_mean():
     assert re.search(r"^mean +\d+\.\d +\[\d+\.\d-\d+\.\d\] +1\.00$", out, re.M), out
     for rule in ("trimmed_mean", "median"):
         assert re.search(rf"^{rule} +\d+\.\d +\[\d+\.\d-\d+\.\d\] +\d+\.\d\d$", out, re.M), (rule, out)
+
+
+def test_gpu_checks_names_files_that_exist_and_refuses_an_unknown_step(tmp_path):
+    """scripts/gpu_checks.sh, the GPU run prepared for a machine that has one: every script and
+    test file it runs is there, and a step it does not know stops it, naming the known ones."""
+    script = ROOT / "scripts" / "gpu_checks.sh"
+    named = set(re.findall(r"\b((?:scripts|tests)/[\w/]+\.py)\b", script.read_text()))
+    assert named and all((ROOT / path).is_file() for path in named), sorted(named)
+    proc = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "unknown step bogus: allowed optim server round round-compiled round-2-actors units deploy" in proc.stderr

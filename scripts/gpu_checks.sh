@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The checks and benchmarks that need a GPU, as one prepared run: each step under its own timeout,
+# its output in $OUT/<step>.log (default ./gpu-checks), one line per step in $OUT/summary.txt, so
+# a run cut short still leaves what it did.
+#
+#   scripts/gpu_checks.sh                      # optim server round (about 8 minutes on an H100)
+#   scripts/gpu_checks.sh round-compiled units deploy
+#
+# Steps (docs/PERFORMANCE.md says what each one measures and its targets):
+#   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA
+#   server          bench_server.py with server_device=cuda
+#   round           bench_round.py --paper: the seed's round, GPU busy share, 300-round projection
+#   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
+#   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
+#   units           the unit tests (not the Flower runs) with the GPU visible, and that pytest exits
+#   deploy          bench_deploy.py: 4 SuperNodes on the GPU, warm workers against Flower's floor
+#
+# A machine without flwr, Ray or Hydra gets them from .gpu/ (../shared/gpu/make_kit.sh builds it).
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-checks}
+mkdir -p "$out"
+[ -f .gpu/setup.sh ] && source .gpu/setup.sh
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
+
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a timeout, log to $out/NAME.log
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "== $name (limit ${limit} s): $*" | tee -a "$out/summary.txt"
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "   rc=$rc after $(($(date +%s) - start)) s" | tee -a "$out/summary.txt"
+    tail -n 25 "$out/$name.log"
+}
+
+DEPLOY_OVERRIDES="dataset=synthetic dataset.num_classes=100 dataset.image_size=32 dataset.channels=3 \
+dataset.mean=[0.5,0.5,0.5] dataset.std=[0.25,0.25,0.25] model=vit_tiny num_clients=4 fraction_train=1.0 \
+min_train_nodes=4 num_rounds=5 local_steps=20 device=cuda"
+
+{ nvidia-smi; python3 -c "import sys, torch; print(sys.version, torch.__version__)"; lscpu | grep 'Model name'; } \
+    >"$out/machine.txt" 2>&1
+for name in "${@:-optim server round}"; do
+    for one in $name; do
+        case $one in
+        optim)
+            step optim-tests 150 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
+                tests/test_optim_topk.py tests/test_compile_model.py -k cuda
+            step bench-optimizer 150 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 ;;
+        server) step bench-server 120 python3 scripts/bench_server.py --device cuda ;;
+        round) step bench-round-paper 300 python3 scripts/bench_round.py --paper ;;
+        round-compiled)
+            step bench-round-compiled 300 python3 scripts/bench_round.py --paper --overrides "compile_model=reduce-overhead" ;;
+        round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
+        units) step units 300 python3 -m pytest -n 4 -p no:cacheprovider -q -m "not e2e" ;;
+        deploy)
+            step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
+                --modes floor,warm,cold ;;
+        *) echo "unknown step $one: allowed optim server round round-compiled round-2-actors units deploy" >&2; exit 2 ;;
+        esac
+    done
+done
