@@ -42,13 +42,17 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+DEVICES = {"cpu": "default", **({"cuda": "reduce-overhead"} if torch.cuda.is_available() else {})}
+
+
+@pytest.fixture(scope="module", params=[(m, d) for d in DEVICES for m in MODELS], ids="-".join)
 def pair(request):
     """An eager and a compiled trainer of one config, a round's inputs, and the first round of
     each with the graphs torch._dynamo captured in it."""
-    base = ["device=cpu", "num_clients=2", "diagnostics.trust_every=0", *MODELS[request.param]]
-    eager, compiled = (ClientTrainer(compose([*base, f"compile_model={mode}"])) for mode in ("none", "default"))
-    state = {n: t.clone() for n, t in eager.model.state_dict().items()}
+    model, device = request.param
+    base = [f"device={device}", "num_clients=2", "diagnostics.trust_every=0", *MODELS[model]]
+    eager, compiled = (ClientTrainer(compose([*base, f"compile_model={mode}"])) for mode in ("none", DEVICES[device]))
+    state = {n: t.detach().cpu().clone() for n, t in eager.model.state_dict().items()}
     gen = torch.Generator().manual_seed(3)
     received = {"v_bar": {n: torch.rand(state[n].shape, generator=gen) * 1e-3 for n, _ in eager.named_params},
                 "delta_g": {n: torch.randn(state[n].shape, generator=gen) * 1e-2 for n, _ in eager.named_params}}
@@ -69,6 +73,7 @@ def test_loss_and_gradients_equal_the_eager_ones_up_to_rounding(pair):
         trainer.load_global(pair["state"])
         trainer.model.train()
         trainer.model.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()
         loss, _ = trainer.task.loss(trainer.train_module, batch)
         loss.backward()
         losses[name] = loss.detach()
