@@ -97,10 +97,12 @@ def test_the_model_keeps_its_state_dict_keys(pair):
 
 
 def test_the_compiled_path_runs_and_compiles_once(pair):
-    """The compiled round captured a graph (the eager one none); a later round of another client
-    reuses it: no new graph."""
+    """The compiled round captured a graph (the eager one none); an evaluation (eager, in eval
+    mode) and a later round of another client reuse it: no new graph."""
     assert pair["captured"] == {"eager": 0, "compiled": 1}
     before = graphs()
+    metrics, examples = pair["compiled"].evaluate_local(pair["state"], partition_id=1, num_partitions=2)
+    assert examples > 0 and metrics["test_loss"] > 0
     pair["compiled"].train_round(pair["state"], pair["received"], partition_id=1, num_partitions=2,
                                  server_round=3, lr=1e-3, local_steps=2, global_step=7)
     assert graphs() == before
