@@ -22,7 +22,7 @@ from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorD
 from fedact_app.config import Config, PartitionConfig, compose
 from fedact_app.diagnostics import TrustProbe
 from fedact_app.tasks.base import build_task
-from fedact_app.train import batch_generator, memory_format, resolve_device, train_steps
+from fedact_app.train import batch_generator, compiled_for_training, memory_format, resolve_device, train_steps
 from fedact_app.wire import from_wire
 
 
@@ -49,6 +49,9 @@ class ClientTrainer:
         self.device = resolve_device(cfg.device)
         self.task = build_task(cfg)
         self.model = self.task.build_model().to(self.device, memory_format=memory_format(cfg.channels_last))
+        # the training loss's module: self.model, or with compile_model a compiled wrapper over
+        # the same parameters, compiled on the first round and reused by every later one
+        self.train_module = compiled_for_training(self.model, cfg.compile_model)
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.shared = set(self.task.shared_names(self.model))
         self.rule = ALGORITHMS[cfg.algorithm.name].local(cfg.algorithm)
@@ -79,7 +82,8 @@ class ClientTrainer:
                            direction=lambda: self.rule.last_step_direction(self.optimizer),
                            amplified=lambda: self.rule.amplified_fraction(self.optimizer))
         stats = train_steps(self.model, self.optimizer, batches, local_steps, self.cfg.precision,
-                            after_step=probe.after_step, loss_fn=self.task.loss)
+                            after_step=probe.after_step, loss_fn=self.task.loss,
+                            train_module=self.train_module)
         new_state = self.model.state_dict()
         delta = {name: new_state[name].detach().cpu() - state[name] for name in state}
         lr_sum = lr * local_steps

@@ -31,6 +31,7 @@ PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 
 
 class ConfigError(ValueError):
@@ -308,6 +309,7 @@ class Config:
     device: str = "auto"
     precision: str = "fp32"  # bf16: forward/backward under torch.autocast(bfloat16); weights stay fp32
     channels_last: bool = False  # CNNs: model and batches in channels_last memory format
+    compile_model: str = "none"  # vision: torch.compile mode of the clients' training forward/backward; none = eager
     wire_dtype: str = "float32"  # dtype of the server's broadcast arrays (v_bar, Delta_G, c) on the wire
     eval_every: int = 1  # centralized test-set evaluation every n rounds (and at the last)
     eval_batch_size: int = 500
@@ -339,6 +341,10 @@ class Config:
         self._require_task_combination()
         _require_choice("device", self.device, DEVICES)
         _require_choice("precision", self.precision, PRECISIONS)
+        _require_choice("compile_model", self.compile_model, COMPILE_MODES)
+        _require(self.task == "vision" or self.compile_model == "none", "compile_model", self.compile_model,
+                 f"none for task={self.task} (the compiled training step is for task=vision; language "
+                 "batches vary in length and DPO switches the adapters off inside the loss)")
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _require(self.max_update_norm is None or self.max_update_norm > 0, "max_update_norm",
                  self.max_update_norm, "> 0, or null (no bound)")

@@ -44,6 +44,17 @@ def memory_format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
+def compiled_for_training(model: nn.Module, mode: str) -> nn.Module:
+    """The module a client computes its training loss with: ``model`` itself for ``mode="none"``,
+    else ``torch.compile(model, mode=mode, dynamic=False)``, a wrapper that shares ``model``'s
+    parameters and buffers (``model`` keeps its ``state_dict`` keys; evaluation runs on it,
+    eagerly). Compiling is lazy: the first training forward pays it, once per process and input
+    shape (a client's training batches all have ``batch_size`` rows)."""
+    if mode == "none":
+        return model
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
 def cosine_lr(server_round: int, num_rounds: int, lr: float, lr_min: float) -> float:
     """eta_r = lr_min + (lr - lr_min) * (1 + cos(pi (r - 1) / R)) / 2, constant within round r."""
     return lr_min + (lr - lr_min) * 0.5 * (1.0 + math.cos(math.pi * (server_round - 1) / num_rounds))
@@ -66,24 +77,32 @@ def classification_loss(model: nn.Module, batch: tuple[Tensor, Tensor],
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int,
                 precision: str = "fp32", channels_last: bool = False,
                 after_step: Callable[[int], None] | None = None,
-                loss_fn: Callable[[nn.Module, object], tuple[Tensor, int]] | None = None) -> TrainStats:
+                loss_fn: Callable[[nn.Module, object], tuple[Tensor, int]] | None = None,
+                train_module: nn.Module | None = None) -> TrainStats:
     """Run ``steps`` optimizer steps on batches drawn from ``batches.next_batch()``.
 
-    ``loss_fn(model, batch) -> (loss, examples)`` (default: :func:`classification_loss`) runs
-    under ``precision`` (:func:`autocast`). The loss is summed on the device and read once at the
-    end (no host sync per step). ``after_step(k)`` runs after the k-th step (1-based), the
-    gradients still in place.
+    ``loss_fn(module, batch) -> (loss, examples)`` (default: :func:`classification_loss`) runs
+    under ``precision`` (:func:`autocast`) with ``module`` = ``train_module`` (default: ``model``;
+    :func:`compiled_for_training` gives a compiled one over the same parameters). The loss is
+    summed on the device and read once at the end (no host sync per step). ``after_step(k)`` runs
+    after the k-th step (1-based), the gradients still in place.
     """
     if loss_fn is None:
         loss_fn = functools.partial(classification_loss, channels_last=channels_last)
+    compiled = train_module is not None and train_module is not model
+    train_module = model if train_module is None else train_module
     model.train()
     loss_sum = None
     num_examples = 0
     device = next(model.parameters()).device
     for step in range(1, steps + 1):
         batch = batches.next_batch()
+        if compiled:
+            # a new iteration for CUDA graphs (mode reduce-overhead): the previous step's graph
+            # outputs may be overwritten from here on; a no-op without CUDA graphs
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast(device, precision):
-            loss, examples = loss_fn(model, batch)
+            loss, examples = loss_fn(train_module, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

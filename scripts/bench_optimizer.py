@@ -27,6 +27,13 @@ scratch, counted once per storage); on CUDA also the transient peak of one step 
 
 Then the whole train step, forward + backward + step (batch ``--batch`` at the dataset's image
 size, random data), for AdamW foreach and FedACT global (and compiled), interleaved the same way.
+With ``--compile-model MODE`` also ``FedACT compiled model``: FedACT global with the forward and
+backward through ``torch.compile(model, mode=MODE, dynamic=False)``, as the run config's
+``compile_model`` does; its first step (the compilation) is timed apart, before the warm-up, and
+a line gives its median, min and max against FedACT global's from the same interleaved repeats.
+
+    python scripts/bench_optimizer.py --models cnn_small vit_tiny --device cpu --optimizer-repeats 1 \
+        --train-repeats 30 --compile-model default
 """
 
 from __future__ import annotations
@@ -164,29 +171,53 @@ def bench_steps(params0: list[torch.Tensor], device: torch.device, repeats: int,
     return rows
 
 
+COMPILED_MODEL = "FedACT compiled model"
+
+
 def bench_train_step(model0: torch.nn.Module, shape: tuple[int, ...], num_classes: int, device: torch.device,
-                     repeats: int, warmup: int, compiled: bool) -> dict[str, float]:
-    """Median seconds of forward + backward + step for AdamW foreach and FedACT global."""
+                     repeats: int, warmup: int, compiled: bool, compile_model: str | None = None
+                     ) -> tuple[dict[str, list[float]], float | None]:
+    """Seconds of every repeat of forward + backward + step for AdamW foreach and FedACT global
+    (and the compiled variants), and the seconds of the compiled model's first step."""
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(shape, generator=gen).to(device)
     labels = torch.randint(0, num_classes, (shape[0],), generator=gen).to(device)
     makers = optimizers(device, compiled)
+    makers[COMPILED_MODEL] = makers["FedACT global"]
+    names = [REFERENCE, "FedACT global"] + ["FedACT compiled"] * compiled + [COMPILED_MODEL] * bool(compile_model)
     fns = {}
-    for i, name in enumerate((REFERENCE, "FedACT global", "FedACT compiled")[:3 if compiled else 2]):
+    for i, name in enumerate(names):
         model = copy.deepcopy(model0).to(device).train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = makers[name](params)
         start_round(opt, params, seed=i)
+        forward = model
+        if name == COMPILED_MODEL:
+            forward = torch.compile(model, mode=compile_model, dynamic=False)
 
-        def train_step(model=model, opt=opt):
-            loss = F.cross_entropy(model(images), labels)
+        def train_step(forward=forward, opt=opt, mark=name == COMPILED_MODEL):
+            if mark:
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = F.cross_entropy(forward(images), labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
 
         fns[name] = train_step
-    times = interleaved(fns, device, repeats, warmup)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    compile_seconds = timed(fns[COMPILED_MODEL], device) if compile_model else None
+    return interleaved(fns, device, repeats, warmup), compile_seconds
+
+
+def print_compiled_model(times: dict[str, list[float]], compile_seconds: float, mode: str) -> None:
+    """The compiled model's train step against FedACT global's: medians, spread, ratio."""
+    def spread(name: str) -> str:
+        ts = times[name]
+        return f"{1e3 * statistics.median(ts):.2f} ms (min {1e3 * min(ts):.2f}, max {1e3 * max(ts):.2f})"
+
+    ratio = statistics.median(times[COMPILED_MODEL]) / statistics.median(times["FedACT global"])
+    print(f"compiled model (mode {mode}): {spread(COMPILED_MODEL)} against FedACT global "
+          f"{spread('FedACT global')}, {len(times[COMPILED_MODEL])} interleaved repeats; ratio {ratio:.3f}; "
+          f"first step (compilation) {compile_seconds:.1f} s")
 
 
 def print_table(model: str, dataset: str, params: list[torch.Tensor], device: torch.device, rows: list[dict],
@@ -231,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-repeats", type=positive, default=5, help="timed train steps per optimizer (--no-train-step skips them)")
     parser.add_argument("--no-train-step", action="store_true", help="skip the whole train step")
     parser.add_argument("--compile", action="store_true", help="also FedACT with compile=True")
+    parser.add_argument("--compile-model", choices=["default", "reduce-overhead", "max-autotune"],
+                        help="also the train step with the model through torch.compile in this mode")
+    parser.add_argument("--optimizer-repeats", type=positive, default=None,
+                        help="timed optimizer steps (default: --repeats); the train step takes --train-repeats")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: cnn_small on digits, 3 repeats, 1 warm-up, batch 8")
     args = parser.parse_args(argv)
@@ -251,13 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         params = [p for p in model.parameters() if p.requires_grad]
         ds = cfg.dataset
         for device in devices:
-            rows = bench_steps(params, device, args.repeats, args.warmup, args.compile)
-            train = None
+            rows = bench_steps(params, device, args.optimizer_repeats or args.repeats, args.warmup, args.compile)
+            train, times, compile_seconds = None, None, None
             if not args.no_train_step:
                 shape = (args.batch, ds.channels, ds.image_size, ds.image_size)
-                train = bench_train_step(model, shape, ds.num_classes, device, args.train_repeats, 1,
-                                         args.compile)
+                times, compile_seconds = bench_train_step(model, shape, ds.num_classes, device, args.train_repeats,
+                                                          1, args.compile, args.compile_model)
+                train = {name: statistics.median(ts) for name, ts in times.items() if name != COMPILED_MODEL}
             print_table(model_name, args.dataset, params, device, rows, train, args.batch, ds.image_size)
+            if times and args.compile_model:
+                print_compiled_model(times, compile_seconds, args.compile_model)
     return 0
 
 

@@ -68,7 +68,8 @@ from fedact_app.cli.launch import automatic_gpus, run_simulation  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
-from fedact_app.train import batch_generator, cosine_lr, resolve_device, train_steps  # noqa: E402
+from fedact_app.train import (batch_generator, compiled_for_training, cosine_lr, resolve_device,  # noqa: E402
+                              train_steps)
 from fedact_app.wire import array_record  # noqa: E402
 from gpu_busy import GpuBusy  # noqa: E402  (scripts/)
 
@@ -158,6 +159,7 @@ def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
                             weight_decay=a.weight_decay, rho=a.rho, tau=a.tau, alpha=a.alpha, gamma=a.gamma,
                             trust_scope=a.trust_scope, trust_signal=a.trust_signal,
                             scale_matched=a.scale_matched)
+    train_module = compiled_for_training(model, cfg.compile_model)  # the clients' compile_model
     trainable = [name for name, _ in named]
     server = ALGORITHMS[a.name].server(a, trainable, num_clients=cfg.num_clients)
     x = {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
@@ -178,7 +180,7 @@ def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
                 global_step=(server_round - 1) * cfg.local_steps)
             batches = BatchStream(data[client], cfg.batch_size, cfg.dataset.augment,
                                   batch_generator(cfg.seed, server_round, client, device))
-            stats = train_steps(model, optimizer, batches, cfg.local_steps)
+            stats = train_steps(model, optimizer, batches, cfg.local_steps, train_module=train_module)
             state = model.state_dict()
             delta = {name: state[name].detach().cpu() - x[name] for name in x}
             v = {name: t.detach().cpu().clone() for (name, _), t in zip(named, optimizer.second_moments())}
