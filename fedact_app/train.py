@@ -108,7 +108,9 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, ste
         optimizer.step()
         if after_step is not None:
             after_step(step)
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        # a copy, not the first loss itself: under CUDA graphs that is the graph's output buffer,
+        # which the next step's replay overwrites
+        loss_sum = loss.detach().clone() if loss_sum is None else loss_sum + loss.detach()
         num_examples += examples
     return TrainStats(loss=float(loss_sum) / steps, num_examples=num_examples)
 
