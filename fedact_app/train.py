@@ -108,8 +108,8 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, ste
         optimizer.step()
         if after_step is not None:
             after_step(step)
-        # a copy, not the first loss itself: under CUDA graphs that is the graph's output buffer,
-        # which the next step's replay overwrites
+        # a copy, not the first loss itself: a loss_fn may return a compiled module's output, which
+        # under CUDA graphs lives in the graph's buffer that the next step's replay overwrites
         loss_sum = loss.detach().clone() if loss_sum is None else loss_sum + loss.detach()
         num_examples += examples
     return TrainStats(loss=float(loss_sum) / steps, num_examples=num_examples)
