@@ -47,8 +47,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
-from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
+from fedact_app.diagnostics import mean_client_statistics, vector_norms, vectors_direction_consistency
 from fedact_app.finite import describe_names, non_finite
+from fedact_app.packing import as_vector
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
 from fedact_app.replies import Acceptance, ReplyError, RoundTerms, accept_round, count, number, record_bytes
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
@@ -291,9 +292,10 @@ class AlgorithmStrategy(Strategy):
             metrics["client_train_seconds_max"] = max(seconds)  # the slowest client (stragglers)
         if round_replies.update_ratio is not None:  # how close honest updates come to max_update_ratio
             metrics["update_norm_ratio"] = round_replies.update_ratio
-        metrics["direction_consistency"] = direction_consistency([u.delta for u in updates], self.trainable)
+        metrics["direction_consistency"] = vectors_direction_consistency(
+            [as_vector(u.delta, self.trainable) for u in updates])
         if "delta_g" in (broadcast := self.rule.broadcast()):
-            metrics["delta_g_norm"] = global_norm(broadcast["delta_g"])
+            metrics["delta_g_norm"] = vector_norms([as_vector(broadcast["delta_g"], self.trainable)])[0]
         metrics.update(mean_client_statistics(client_metrics))
         return array_record(self.state), MetricRecord(metrics)
 

@@ -10,12 +10,15 @@ range, 8 bits of mantissa) is the one to use for v_bar; docs/PERFORMANCE.md has 
 
 :func:`array_record` builds the record Flower's ``ArrayRecord(tensors)`` builds (NumPy's ``.npy``
 bytes, so any Flower app reads it) with one copy of each array instead of ``np.save`` into a
-growing buffer and a copy out of it.
+growing buffer and a copy out of it. :func:`npy_values` reads such an array back without a copy
+(``Array.numpy`` copies the bytes out of a stream first), so a reply's arrays are copied once, into
+where the server keeps them.
 """
 
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 import torch
@@ -52,6 +55,28 @@ def array_record(tensors: TensorDict) -> ArrayRecord:
     34 ms on the CPU of docs/PERFORMANCE.md); the bytes are those ``np.save`` writes for a
     C-contiguous array (a non-contiguous tensor is sent in C order)."""
     return ArrayRecord({name: _npy_array(t) for name, t in tensors.items()})
+
+
+def npy_values(array: Array) -> np.ndarray:
+    """The values of a received ``Array`` of ``.npy`` bytes, as a read-only NumPy view of its bytes
+    (no copy); a Fortran-ordered or object array is loaded by ``Array.numpy``. ValueError when the
+    bytes are not such an array (a bad header, fewer bytes than its shape needs)."""
+    if array.stype != "numpy.ndarray":
+        raise ValueError(f"serialization type {array.stype!r}, expected 'numpy.ndarray'")
+    stream = io.BytesIO(array.data)
+    version = np.lib.format.read_magic(stream)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if read_header is None:
+        return array.numpy()
+    shape, fortran_order, dtype = read_header(stream)
+    if fortran_order or dtype.hasobject:
+        return array.numpy()
+    count = math.prod(shape)
+    offset = stream.tell()
+    if len(array.data) - offset < count * dtype.itemsize:
+        raise ValueError(f"{len(array.data) - offset} bytes of values, {shape} {dtype} needs {count * dtype.itemsize}")
+    return np.frombuffer(array.data, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
 def _npy_array(tensor: Tensor) -> Array:
