@@ -116,11 +116,12 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
 def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequence[str] = (),
                 device: torch.device | str = "cpu") -> TensorDict:
     """The record's arrays as tensors on ``device``, checked against ``expected`` (the same
-    names, shapes and dtypes; floating values finite), in ``expected``'s order. Each array's
-    bytes are copied once, into one vector for all entries of the first entry's floating dtype
-    (``first`` of them at its start, in that order, then the others), of which the returned
-    tensors are views (fedact_app.packing); the finiteness check is one sum over that vector
-    (NaN or inf make it so; only a sum that is not finite is looked into entry by entry)."""
+    names, shapes and dtypes; floating values finite). Each array's bytes are copied once, into
+    one vector for all entries of the first entry's floating dtype (``first`` of them at its
+    start, in that order, then the others in ``expected``'s order), of which the returned tensors
+    are views (fedact_app.packing); the dict lists them in that vector's order, then the entries
+    of other dtypes. The finiteness check is one sum over the vector (NaN or inf make it so; only
+    a sum that is not finite is looked into entry by entry)."""
     if record.keys() != expected.keys():
         missing, extra = expected.keys() - record.keys(), record.keys() - expected.keys()
         raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
@@ -158,7 +159,7 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
         if tensor.is_floating_point() and not all_finite(tensor):
             raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
     tensors.update(single)
-    return {name: tensors[name] for name in expected}
+    return tensors
 
 
 def negative_entries(arrays: TensorDict, names: Sequence[str]) -> list[str]:
