@@ -14,10 +14,16 @@ Flower ``RecordDict`` objects. Each repeat times, in turn:
 - acceptance: the round-relative bounds over the decoded replies (``update_ratios``,
   ``moment_outliers``);
 - aggregate: the rule's ``FedACTServer.aggregate`` (x + mean(Delta_i), Delta_G, v_bar);
-- DC + ||Delta_G||: the round's diagnostics (``direction_consistency``, ``global_norm``);
-- server round: the four above, in one go;
+- DC + ||Delta_G||: the round's diagnostics over the accepted updates, as the strategy takes
+  them (``vectors_direction_consistency``, ``vector_norms``);
+- server round: ``AlgorithmStrategy.aggregate_train`` on the replies as Flower ``Message``
+  objects: the pieces above, the check that the aggregate is finite, and the new global state
+  made into the ``ArrayRecord`` the next round sends;
 - floor: one pass reading the S x d floats of the deltas, ``torch.stack(deltas).sum(0)``
   (what any rule that looks at every reply's every coordinate once costs at least).
+
+With ``--device cuda`` the strategy's ``device`` (the run's ``server_device``) is the GPU: the
+replies are decoded onto it and every piece runs there (the timings wait for the GPU to finish).
 
 The pieces alternate within every repeat, so a slower or busier stretch of the machine hits them
 alike; each figure is the median of ``--repeats`` with its range, and the ratio is to the
@@ -40,13 +46,16 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 import torch  # noqa: E402
-from flwr.app import MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Message, Metadata, MessageType, MetricRecord, RecordDict  # noqa: E402
 
 from fedact_app.algorithms import ALGORITHMS  # noqa: E402
 from fedact_app.config import compose  # noqa: E402
-from fedact_app.diagnostics import direction_consistency, global_norm  # noqa: E402
+from fedact_app.diagnostics import vector_norms, vectors_direction_consistency  # noqa: E402
+from fedact_app.packing import as_vector  # noqa: E402
 from fedact_app.replies import decode_update, moment_outliers, update_ratios  # noqa: E402
 from fedact_app.server_app import initial_model  # noqa: E402
+from fedact_app.strategy import AlgorithmStrategy  # noqa: E402
+from fedact_app.train import resolve_device  # noqa: E402
 from fedact_app.wire import array_record  # noqa: E402
 
 PIECES = ("decode + checks", "acceptance", "aggregate", "DC + ||Delta_G||")
@@ -57,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", default="vit_tiny")
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default="cpu", help="where the rule's tensors live: cpu | cuda")
+    parser.add_argument("--device", default="cpu", help="the server's device (server_device): cpu | cuda | auto")
     parser.add_argument("--quick", action="store_true", help="cnn_small on digits, 3 clients, 2 repeats")
     return parser.parse_args(argv)
 
@@ -93,13 +102,26 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def message(node: int, content: RecordDict) -> Message:
+    """A reply as the SuperLink hands it to the ServerApp."""
+    metadata = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0,
+                        reply_to_message_id=f"q{node}", group_id="1", created_at=time.time(), ttl=60.0,
+                        message_type=MessageType.TRAIN)
+    return Message(metadata=metadata, content=content)
+
+
 class Round:
     """One server round's pieces over the same replies, each timed on its own."""
 
     def __init__(self, cfg, x: dict, trainable: list[str], replies: list[RecordDict], device: torch.device):
         self.rule = ALGORITHMS["fedact"].server(cfg.algorithm, trainable)
-        self.x = {n: t.to(device) for n, t in x.items()}
-        self.trainable, self.replies, self.device = trainable, replies, device
+        self.strategy = AlgorithmStrategy(ALGORITHMS["fedact"].server(cfg.algorithm, trainable),
+                                          trainable=trainable, local_steps=50, lr_schedule=lambda r: 3e-4,
+                                          fraction_train=1.0, min_train_nodes=1, device=device)
+        self.strategy.load_state_dict({"model": x, "rule": {}, "empty_rounds": 0})
+        self.x = self.strategy.state
+        self.trainable, self.replies = trainable, replies
+        self.messages = [message(node + 1, content) for node, content in enumerate(replies)]
         self.updates = self.decode()
 
     def decode(self):
@@ -107,25 +129,25 @@ class Round:
                 for c in self.replies]
 
     def accept(self):
-        moment_outliers(self.updates, self.rule.nonnegative_keys, self.rule.broadcast(), 1e4)
+        moment_outliers(self.updates, self.rule.nonnegative_keys, self.rule.broadcast(), 1e6)
         return update_ratios(self.updates, self.trainable)
 
     def aggregate(self):
         return self.rule.aggregate(self.x, self.updates)
 
     def diagnostics(self):
-        dc = direction_consistency([u.delta for u in self.updates], self.trainable)
-        return dc, global_norm(self.rule.broadcast()["delta_g"])
+        dc = vectors_direction_consistency([as_vector(u.delta, self.trainable) for u in self.updates])
+        return dc, vector_norms([as_vector(self.rule.broadcast()["delta_g"], self.trainable)])[0]
 
     def whole(self):
-        self.updates = self.decode()
-        self.accept()
-        self.aggregate()
-        self.diagnostics()
+        self.strategy.messages_sent = len(self.messages)
+        _, metrics = self.strategy.aggregate_train(1, self.messages)
+        if metrics["clients"] != len(self.messages):
+            raise RuntimeError(f"the round accepted {metrics['clients']} of {len(self.messages)} replies")
 
 
 def flat(arrays: dict, names: list[str]) -> torch.Tensor:
-    """The entries ``names`` as one vector (a view when the dict's tensors are views into one)."""
+    """The entries ``names`` as one vector (a copy)."""
     return torch.cat([arrays[n].reshape(-1) for n in names])
 
 
@@ -145,7 +167,7 @@ def main(argv: list[str]) -> None:
         "dataset=synthetic", "dataset.image_size=32", "dataset.num_classes=100"]
     cfg = compose([*data, f"model={args.model}", "algorithm=fedact", "device=cpu"])
     _, _, x, trainable = initial_model(cfg)
-    device = torch.device(args.device)
+    device = resolve_device(args.device, "server_device")
     run = Round(cfg, x, trainable, replies_of(x, trainable, args.clients), device)
     deltas = [flat(u.delta, trainable) for u in run.updates]
     pieces = {"decode + checks": run.decode, "acceptance": run.accept, "aggregate": run.aggregate,

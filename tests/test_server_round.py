@@ -81,12 +81,16 @@ def test_unreadable_array_bytes_are_a_rejected_reply_not_a_crash():
     content = reply_content(delta, v)
     record = content["v"]
     record["w"] = Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=b"\x93NUMPY garbage")
-    with pytest.raises(ReplyError, match=r"'v'\['w'\]: not a readable array"):
+    with pytest.raises(ReplyError, match=r"'v'\['w'\]: not a readable array.*no \.npy array"):
         decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
     content = reply_content(delta, v)
     whole = content["v"]["w"].data
     content["v"]["w"] = Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=whole[:len(whole) - 4])
-    with pytest.raises(ReplyError, match="bytes of values"):
+    with pytest.raises(ReplyError, match="no .npy array"):
+        decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
+    content = reply_content(delta, v)  # an Array whose shape is not the one its .npy header says
+    content["v"]["w"] = Array(dtype="float32", shape=(3, 2), stype="numpy.ndarray", data=whole)
+    with pytest.raises(ReplyError, match=r"does not say 'shape': \(3, 2\)"):
         decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
 
 
