@@ -99,29 +99,34 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     if device is None:
         device = next(iter(state.values())).device if state else "cpu"
     expected = {name: state[name] for name in state}
-    delta = read_arrays("delta", content["delta"], expected, first=trainable, device=device)
-    arrays = {}
+    delta, delta_norm = read_arrays("delta", content["delta"], expected, first=trainable, device=device)
+    arrays, norms = {}, {"delta": delta_norm}
     for key in reply_keys:
-        arrays[key] = read_arrays(key, content[key], {name: state[name] for name in trainable}, device=device)
+        arrays[key], norms[key] = read_arrays(key, content[key], {name: state[name] for name in trainable},
+                                              first=trainable, device=device)
         if key in nonnegative and (negative := negative_entries(arrays[key], trainable)):
             raise ReplyError(f"{key!r} has negative values (in {negative[:3]}); it must be >= 0")
     if max_update_norm:
-        norm = vector_norms([as_vector(delta, trainable)])[0]
+        norm = norms["delta"]
         if norm > max_update_norm:
             raise ReplyError(f"update norm {norm:.4g} exceeds max_update_norm={max_update_norm:g}")
     return ClientUpdate(delta=delta, num_steps=num_steps, lr_sum=lr_sum, num_examples=num_examples,
-                        arrays=arrays)
+                        arrays=arrays, norms=norms)
 
 
 def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequence[str] = (),
-                device: torch.device | str = "cpu") -> TensorDict:
+                device: torch.device | str = "cpu") -> tuple[TensorDict, float]:
     """The record's arrays as tensors on ``device``, checked against ``expected`` (the same
-    names, shapes and dtypes; floating values finite). Each array's bytes are copied once, into
-    one vector for all entries of the first entry's floating dtype (``first`` of them at its
-    start, in that order, then the others in ``expected``'s order), of which the returned tensors
-    are views (fedact_app.packing); the dict lists them in that vector's order, then the entries
-    of other dtypes. The finiteness check is one sum over the vector (NaN or inf make it so; only
-    a sum that is not finite is looked into entry by entry)."""
+    names, shapes and dtypes; floating values finite), and the L2 norm of the entries ``first``
+    (the trainable parameters; squares and sums in float64).
+
+    Each array's bytes are copied once, into one vector for all entries of the first entry's
+    floating dtype (``first`` of them at its start, in that order, then the others in
+    ``expected``'s order), of which the returned tensors are views (fedact_app.packing); the dict
+    lists them in that vector's order, then the entries of other dtypes. The norm's pass is the
+    finiteness check of ``first`` (a NaN or inf entry makes it so, and finite float32 squares
+    cannot overflow float64's sum), one float sum that of the vector's other entries; only a
+    result that is not finite is looked into entry by entry."""
     if record.keys() != expected.keys():
         missing, extra = expected.keys() - record.keys(), record.keys() - expected.keys()
         raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
@@ -152,14 +157,20 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     tensors = {}
     if vector is not None:
         tensors = views(vector.to(device), packed, [expected[n].shape for n in packed])
-        if not math.isfinite(float(as_vector(tensors, packed).sum())):
-            if bad := [n for n in packed if not all_finite(tensors[n])]:
-                raise ReplyError(f"{key!r}[{bad[0]!r}] has non-finite values")
+    tensors.update(single)
+    lead = list(first)[:consecutive(tensors, list(first))] if tensors else []
+    norm = vector_norms([as_vector(tensors, lead)])[0] if lead == list(first) and lead else None
+    rest = packed[len(lead):] if norm is not None else packed
+    finite = (norm is None or math.isfinite(norm)) and (
+        not rest or math.isfinite(float(as_vector(tensors, rest).sum())))
+    if not finite and (bad := [n for n in packed if not all_finite(tensors[n])]):
+        raise ReplyError(f"{key!r}[{bad[0]!r}] has non-finite values")
     for name, tensor in single.items():
         if tensor.is_floating_point() and not all_finite(tensor):
             raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
-    tensors.update(single)
-    return tensors
+    if norm is None:  # ``first`` not one vector (mixed dtypes): entry by entry
+        norm = vector_norms([torch.cat([tensors[n].reshape(-1).double() for n in first])])[0] if first else 0.0
+    return tensors, norm
 
 
 def negative_entries(arrays: TensorDict, names: Sequence[str]) -> list[str]:
@@ -319,12 +330,22 @@ def update_ratios(updates: Sequence[ClientUpdate], trainable: Sequence[str]) -> 
     """Each update's norm over the ``trainable`` parameters divided by the lower median of the
     positive norms among them, and that median (0, with every ratio 0, when no norm is positive:
     nothing to compare against)."""
-    norms = vector_norms([as_vector(update.delta, trainable) for update in updates])
+    norms = measured_norms(updates, None, trainable)
     positive = [norm for norm in norms if norm > 0]
     if not positive:
         return [0.0] * len(norms), 0.0
     median = lower_median(positive)
     return [norm / median for norm in norms], median
+
+
+def measured_norms(updates: Sequence[ClientUpdate], key: str | None, names: Sequence[str]) -> list[float]:
+    """Each update's L2 norm over the entries ``names`` of its delta (``key`` None) or of its
+    reply array ``key``: the one measured when it was decoded (``ClientUpdate.norms``, over the
+    trainable parameters), else measured here, all updates in one pass."""
+    label = "delta" if key is None else key
+    if all(label in u.norms for u in updates):
+        return [u.norms[label] for u in updates]
+    return vector_norms([as_vector(u.delta if key is None else u.arrays[key], names) for u in updates])
 
 
 def moment_outliers(updates: Sequence[ClientUpdate], keys: Sequence[str], broadcast: dict[str, TensorDict],
@@ -338,7 +359,7 @@ def moment_outliers(updates: Sequence[ClientUpdate], keys: Sequence[str], broadc
         return []
     outliers = []
     for key in keys:
-        norms = vector_norms([as_vector(update.arrays[key]) for update in updates])
+        norms = measured_norms(updates, key, list(updates[0].arrays[key]))
         bar = vector_norms([as_vector(broadcast[f"{key}_bar"])]) if f"{key}_bar" in broadcast else []
         reference = [n for n in norms + bar if n > 0]
         if not reference:

@@ -74,6 +74,10 @@ def test_a_decoded_reply_is_one_vector_per_key_with_the_trainable_entries_first(
     assert consecutive(update.arrays["v"], TRAINABLE) == 2
     for name in STATE:
         assert update.delta[name].tolist() == delta[name].tolist()
+    # the norms over the trainable entries, measured in the same pass as the finiteness check
+    assert update.norms["delta"] == pytest.approx(math.sqrt(sum(x * x for x in flat_list(delta, TRAINABLE))),
+                                                  rel=1e-12)
+    assert update.norms["v"] == pytest.approx(math.sqrt(sum(x * x for x in flat_list(v, TRAINABLE))), rel=1e-12)
 
 
 def test_unreadable_array_bytes_are_a_rejected_reply_not_a_crash():
