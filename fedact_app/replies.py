@@ -26,7 +26,7 @@ from flwr.common import log
 from fedact_app.algorithms import ClientUpdate, TensorDict
 from fedact_app.diagnostics import CLIENT_METRICS, vector_norms
 from fedact_app.finite import all_finite
-from fedact_app.packing import as_vector, consecutive, views
+from fedact_app.packing import VectorPool, as_vector, consecutive, views
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
 from fedact_app.sampling import ClientKey
 from fedact_app.wire import npy_values
@@ -58,7 +58,7 @@ class RoundTerms:
 def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[str],
                   trainable: Sequence[str], nonnegative: Sequence[str] = (),
                   max_update_norm: float | None = None, terms: RoundTerms | None = None,
-                  device: torch.device | str | None = None) -> ClientUpdate:
+                  device: torch.device | str | None = None, pool: VectorPool | None = None) -> ClientUpdate:
     """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state.
 
     ``nonnegative``: reply arrays that must hold no negative value (second moments).
@@ -68,7 +68,8 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     be K, ``lr-sum`` K eta_r (to 1e-9 relative) and ``num-examples`` at most K x batch_size, and
     the update carries the server's K eta_r, not the reply's: Delta_G divides by it.
     The arrays come out on ``device`` (default: the state's, the ServerApp's ``server_device``),
-    each key's entries views into one vector (:func:`read_arrays`), the trainable parameters first.
+    each key's entries views into one vector (:func:`read_arrays`; from ``pool`` when given), the
+    trainable parameters first.
     Every metric must be a finite number (``train-loss`` included); the client statistics lie
     in [0, 1] and ``train-seconds`` is >= 0.
     """
@@ -99,11 +100,11 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     if device is None:
         device = next(iter(state.values())).device if state else "cpu"
     expected = {name: state[name] for name in state}
-    delta, delta_norm = read_arrays("delta", content["delta"], expected, first=trainable, device=device)
+    delta, delta_norm = read_arrays("delta", content["delta"], expected, first=trainable, device=device, pool=pool)
     arrays, norms = {}, {"delta": delta_norm}
     for key in reply_keys:
         arrays[key], norms[key] = read_arrays(key, content[key], {name: state[name] for name in trainable},
-                                              first=trainable, device=device)
+                                              first=trainable, device=device, pool=pool)
         if key in nonnegative and (negative := negative_entries(arrays[key], trainable)):
             raise ReplyError(f"{key!r} has negative values (in {negative[:3]}); it must be >= 0")
     if max_update_norm:
@@ -115,7 +116,7 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
 
 
 def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequence[str] = (),
-                device: torch.device | str = "cpu") -> tuple[TensorDict, float]:
+                device: torch.device | str = "cpu", pool: VectorPool | None = None) -> tuple[TensorDict, float]:
     """The record's arrays as tensors on ``device``, checked against ``expected`` (the same
     names, shapes and dtypes; floating values finite), and the L2 norm of the entries ``first``
     (the trainable parameters; squares and sums in float64).
@@ -123,7 +124,8 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     Each array's bytes are copied once, into one vector for all entries of the first entry's
     floating dtype (``first`` of them at its start, in that order, then the others in
     ``expected``'s order), of which the returned tensors are views (fedact_app.packing); the dict
-    lists them in that vector's order, then the entries of other dtypes. The norm's pass is the
+    lists them in that vector's order, then the entries of other dtypes. The vector comes from
+    ``pool`` when one is given (on a GPU ``device``, the pool's vector is the copy's staging). The norm's pass is the
     finiteness check of ``first`` (a NaN or inf entry makes it so, and finite float32 squares
     cannot overflow float64's sum), one float sum that of the vector's other entries; only a
     result that is not finite is looked into entry by entry."""
@@ -133,7 +135,8 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     order = list(dict.fromkeys([*first, *expected]))
     dtype = expected[order[0]].dtype if order else None
     packed = [n for n in order if expected[n].dtype == dtype] if dtype is not None and dtype.is_floating_point else []
-    vector = torch.empty(sum(expected[n].numel() for n in packed), dtype=dtype) if packed else None
+    numel = sum(expected[n].numel() for n in packed)
+    vector = (pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)) if packed else None
     target = vector.numpy() if vector is not None and vector.numel() else None
     offsets, start = {}, 0
     for name in packed:
@@ -270,7 +273,7 @@ class RoundReplies:
 
 def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acceptance, *,
                  state: TensorDict, terms: RoundTerms, identity: Callable[[int], ClientKey],
-                 broadcast: dict[str, TensorDict]) -> RoundReplies:
+                 broadcast: dict[str, TensorDict], pool: VectorPool | None = None) -> RoundReplies:
     """The round's accepted replies, each rejection logged with node id and reason.
 
     Every reply is decoded and checked (:func:`decode_update` against the global ``state`` and
@@ -278,7 +281,8 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
     that pass are put in a fixed order (float sums depend on their order and replies arrive in
     any: the clients' identities, then node id, so a run repeats bit for bit) and measured
     against each other (:func:`moment_outliers`, :func:`update_ratios`; ``broadcast``: the
-    server's current arrays, v_bar among them)."""
+    server's current arrays, v_bar among them; ``pool``: where the decoded arrays are kept, whose
+    vectors the caller recycles once the round's updates are no longer read)."""
     out = RoundReplies()
     passed: list[Accepted] = []
     for msg in replies:
@@ -292,7 +296,7 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
         out.bytes_received += record_bytes(msg.content)
         try:
             update = decode_update(msg.content, state, acceptance.reply_keys, acceptance.trainable,
-                                   acceptance.nonnegative, acceptance.max_update_norm, terms)
+                                   acceptance.nonnegative, acceptance.max_update_norm, terms, pool=pool)
             check_partition(identity(node), msg.content["metrics"])
         except ReplyError as err:
             out.rejected += 1

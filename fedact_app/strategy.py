@@ -50,7 +50,7 @@ from flwr.serverapp.strategy import Strategy
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
 from fedact_app.diagnostics import mean_client_statistics, vector_norms, vectors_direction_consistency
 from fedact_app.finite import describe_names, non_finite
-from fedact_app.packing import as_vector
+from fedact_app.packing import VectorPool, as_vector
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
 from fedact_app.replies import Acceptance, ReplyError, RoundTerms, accept_round, count, number, record_bytes
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
@@ -136,6 +136,7 @@ class AlgorithmStrategy(Strategy):
                  wire_dtype: str = "float32", device: torch.device | str = "cpu") -> None:
         self.rule = rule
         self.device = torch.device(device)  # where the global state, the rule's state and the replies live
+        self.vectors = VectorPool(pin=self.device.type == "cuda")  # the decoded replies' vectors (reused)
         self.trainable = list(trainable)
         self.local_steps = local_steps
         self.lr_schedule = lr_schedule
@@ -266,9 +267,10 @@ class AlgorithmStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self.vectors.recycle()  # the last round's replies: nothing reads them any more
         round_replies = accept_round(server_round, replies, self.acceptance, state=self.state,
                                      terms=self.round_terms(server_round), identity=self.client_key_of,
-                                     broadcast=self.rule.broadcast())
+                                     broadcast=self.rule.broadcast(), pool=self.vectors)
         accepted, rejected = round_replies.accepted, round_replies.rejected
         missing = max(self.messages_sent - round_replies.received, 0)
         if missing:

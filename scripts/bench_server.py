@@ -10,9 +10,10 @@ values; the server's cost does not depend on them), built once as the ServerApp 
 Flower ``RecordDict`` objects. Each repeat times, in turn:
 
 - decode + checks: ``fedact_app.replies.decode_update`` of every reply (the arrays out of the
-  records, names/shapes/dtypes, finiteness, v >= 0, the metrics);
+  records into one vector per key, reused from round to round as the strategy reuses them;
+  names/shapes/dtypes, finiteness and the norms in one pass, v >= 0, the metrics);
 - acceptance: the round-relative bounds over the decoded replies (``update_ratios``,
-  ``moment_outliers``);
+  ``moment_outliers``, from the norms measured in decoding);
 - aggregate: the rule's ``FedACTServer.aggregate`` (x + mean(Delta_i), Delta_G, v_bar);
 - DC + ||Delta_G||: the round's diagnostics over the accepted updates, as the strategy takes
   them (``vectors_direction_consistency``, ``vector_norms``);
@@ -125,8 +126,9 @@ class Round:
         self.updates = self.decode()
 
     def decode(self):
-        return [decode_update(c, self.x, self.rule.reply_keys, self.trainable, self.rule.nonnegative_keys)
-                for c in self.replies]
+        self.strategy.vectors.recycle()  # as the strategy does: each round into the last round's vectors
+        return [decode_update(c, self.x, self.rule.reply_keys, self.trainable, self.rule.nonnegative_keys,
+                              pool=self.strategy.vectors) for c in self.replies]
 
     def accept(self):
         moment_outliers(self.updates, self.rule.nonnegative_keys, self.rule.broadcast(), 1e6)

@@ -226,3 +226,20 @@ def test_server_device_is_checked_and_cuda_without_one_fails_naming_the_key():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="server_device=cuda but no CUDA device"):
             resolve_device("cuda", "server_device")
+
+
+def test_the_next_rounds_replies_reuse_the_vectors_without_touching_what_the_last_round_made():
+    """The strategy decodes each round's replies into the vectors of the last round's
+    (fedact_app.packing.VectorPool); the median of a single reply is that reply, so v_bar and x
+    must still be vectors of their own when the next round overwrites the reply's."""
+    first, second = client_arrays(30), client_arrays(31)
+    strategy, _, _ = run_round("cpu", [first], rule="median")
+    v_bar, x = strategy.rule.v_bar, strategy.state
+    assert flat_list(v_bar, TRAINABLE) == pytest.approx(flat_list(first[1], TRAINABLE))
+    taken = [v.data_ptr() for v in strategy.vectors._taken]
+    strategy.messages_sent = 1
+    strategy.aggregate_train(2, [message(1, reply_content(*second))])
+    assert sorted(v.data_ptr() for v in strategy.vectors._taken) == sorted(taken)  # the same vectors again
+    assert flat_list(v_bar, TRAINABLE) == pytest.approx(flat_list(first[1], TRAINABLE))
+    assert flat_list(x, ["w", "bn.mean", "b"]) == pytest.approx(flat_list(first[0], ["w", "bn.mean", "b"]))
+    assert flat_list(strategy.rule.v_bar, TRAINABLE) == pytest.approx(flat_list(second[1], TRAINABLE))
