@@ -13,6 +13,7 @@ above the round's lower median is rejected (``RoundBounds``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -125,10 +126,10 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     floating dtype (``first`` of them at its start, in that order, then the others in
     ``expected``'s order), of which the returned tensors are views (fedact_app.packing); the dict
     lists them in that vector's order, then the entries of other dtypes. The vector comes from
-    ``pool`` when one is given (on a GPU ``device``, the pool's vector is the copy's staging). The norm's pass is the
-    finiteness check of ``first`` (a NaN or inf entry makes it so, and finite float32 squares
-    cannot overflow float64's sum), one float sum that of the vector's other entries; only a
-    result that is not finite is looked into entry by entry."""
+    ``pool`` when one is given (for a GPU ``device`` it is the staging of the one copy there).
+    The norm's pass is the finiteness check of ``first`` (a NaN or inf entry makes it so, and
+    finite float32 squares cannot overflow float64's sum), one float sum that of the vector's
+    other entries; only a result that is not finite is looked into entry by entry."""
     if record.keys() != expected.keys():
         missing, extra = expected.keys() - record.keys(), record.keys() - expected.keys()
         raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
@@ -187,6 +188,7 @@ def negative_entries(arrays: TensorDict, names: Sequence[str]) -> list[str]:
     return [n for n in names if arrays[n].numel() and float(arrays[n].min()) < 0]
 
 
+@functools.lru_cache(maxsize=32)
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
     """NumPy's dtype for a torch dtype (None for one NumPy lacks, e.g. bfloat16)."""
     try:

@@ -178,7 +178,8 @@ def run_round(device, sent, rule="mean"):
                                  fraction_train=1.0, min_train_nodes=1, device=device)
     strategy.load_state_dict({"model": STATE, "rule": {}, "empty_rounds": 0})
     strategy.messages_sent = len(sent)
-    arrays, metrics = strategy.aggregate_train(1, [message(i + 1, reply_content(d, v)) for i, (d, v) in enumerate(sent)])
+    replies = [message(i + 1, reply_content(d, v)) for i, (d, v) in enumerate(sent)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
     return strategy, arrays, metrics
 
 
