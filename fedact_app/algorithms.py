@@ -54,6 +54,9 @@ class ClientUpdate:
     lr_sum: float  # sum_k eta_{i,k}, the learning rates used
     num_examples: int
     arrays: dict[str, TensorDict] = field(default_factory=dict)  # method-specific ("v", "delta_c")
+    # L2 norms over the trainable parameters of "delta" and of each reply array, measured when
+    # the reply was decoded (fedact_app.replies); absent: not measured
+    norms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -13,19 +13,24 @@ above the round's lower median is rejected (``RoundBounds``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 
-from flwr.app import Message, MetricRecord, RecordDict
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 
 from fedact_app.algorithms import ClientUpdate, TensorDict
-from fedact_app.diagnostics import CLIENT_METRICS, global_norm
+from fedact_app.diagnostics import CLIENT_METRICS, vector_norms
 from fedact_app.finite import all_finite
+from fedact_app.packing import VectorPool, as_vector, consecutive, views
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
 from fedact_app.sampling import ClientKey
+from fedact_app.wire import npy_values
 
 
 class ReplyError(ValueError):
@@ -53,7 +58,8 @@ class RoundTerms:
 
 def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[str],
                   trainable: Sequence[str], nonnegative: Sequence[str] = (),
-                  max_update_norm: float | None = None, terms: RoundTerms | None = None) -> ClientUpdate:
+                  max_update_norm: float | None = None, terms: RoundTerms | None = None,
+                  device: torch.device | str | None = None, pool: VectorPool | None = None) -> ClientUpdate:
     """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state.
 
     ``nonnegative``: reply arrays that must hold no negative value (second moments).
@@ -62,6 +68,9 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     ``terms``: the round's own K, learning rate and example bound. With them, ``num-steps`` must
     be K, ``lr-sum`` K eta_r (to 1e-9 relative) and ``num-examples`` at most K x batch_size, and
     the update carries the server's K eta_r, not the reply's: Delta_G divides by it.
+    The arrays come out on ``device`` (default: the state's, the ServerApp's ``server_device``),
+    each key's entries views into one vector (:func:`read_arrays`; from ``pool`` when given), the
+    trainable parameters first.
     Every metric must be a finite number (``train-loss`` included); the client statistics lie
     in [0, 1] and ``train-seconds`` is >= 0.
     """
@@ -89,21 +98,103 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
             raise ReplyError(f"metric 'num-examples' {num_examples} exceeds local_steps x batch_size = "
                              f"{terms.max_examples}")
         lr_sum = terms.lr_sum
-    delta = content["delta"].to_torch_state_dict()
-    _check_arrays("delta", delta, {name: state[name] for name in state})
-    arrays = {}
+    if device is None:
+        device = next(iter(state.values())).device if state else "cpu"
+    expected = {name: state[name] for name in state}
+    delta, delta_norm = read_arrays("delta", content["delta"], expected, first=trainable, device=device, pool=pool)
+    arrays, norms = {}, {"delta": delta_norm}
     for key in reply_keys:
-        arrays[key] = content[key].to_torch_state_dict()
-        _check_arrays(key, arrays[key], {name: state[name] for name in trainable})
-        if key in nonnegative and (negative := [n for n, t in arrays[key].items()
-                                                if t.numel() and float(t.min()) < 0]):
+        arrays[key], norms[key] = read_arrays(key, content[key], {name: state[name] for name in trainable},
+                                              first=trainable, device=device, pool=pool)
+        if key in nonnegative and (negative := negative_entries(arrays[key], trainable)):
             raise ReplyError(f"{key!r} has negative values (in {negative[:3]}); it must be >= 0")
     if max_update_norm:
-        norm = global_norm({name: delta[name] for name in trainable})
+        norm = norms["delta"]
         if norm > max_update_norm:
             raise ReplyError(f"update norm {norm:.4g} exceeds max_update_norm={max_update_norm:g}")
     return ClientUpdate(delta=delta, num_steps=num_steps, lr_sum=lr_sum, num_examples=num_examples,
-                        arrays=arrays)
+                        arrays=arrays, norms=norms)
+
+
+def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequence[str] = (),
+                device: torch.device | str = "cpu", pool: VectorPool | None = None) -> tuple[TensorDict, float]:
+    """The record's arrays as tensors on ``device``, checked against ``expected`` (the same
+    names, shapes and dtypes; floating values finite), and the L2 norm of the entries ``first``
+    (the trainable parameters; squares and sums in float64).
+
+    Each array's bytes are copied once, into one vector for all entries of the first entry's
+    floating dtype (``first`` of them at its start, in that order, then the others in
+    ``expected``'s order), of which the returned tensors are views (fedact_app.packing); the dict
+    lists them in that vector's order, then the entries of other dtypes. The vector comes from
+    ``pool`` when one is given (for a GPU ``device`` it is the staging of the one copy there).
+    The norm's pass is the finiteness check of ``first`` (a NaN or inf entry makes it so, and
+    finite float32 squares cannot overflow float64's sum), one float sum that of the vector's
+    other entries; only a result that is not finite is looked into entry by entry."""
+    if record.keys() != expected.keys():
+        missing, extra = expected.keys() - record.keys(), record.keys() - expected.keys()
+        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
+    order = list(dict.fromkeys([*first, *expected]))
+    dtype = expected[order[0]].dtype if order else None
+    packed = [n for n in order if expected[n].dtype == dtype] if dtype is not None and dtype.is_floating_point else []
+    numel = sum(expected[n].numel() for n in packed)
+    vector = (pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)) if packed else None
+    target = vector.numpy() if vector is not None and vector.numel() else None
+    offsets, start = {}, 0
+    for name in packed:
+        offsets[name] = start
+        start += expected[name].numel()
+    single = {}
+    for name in order:
+        try:
+            values = npy_values(record[name])
+        except (ValueError, TypeError) as err:
+            raise ReplyError(f"{key!r}[{name!r}]: not a readable array ({err})") from None
+        want = expected[name]
+        if tuple(values.shape) != tuple(want.shape) or values.dtype != _numpy_dtype(want.dtype):
+            raise ReplyError(f"{key!r}[{name!r}]: {tuple(values.shape)} {values.dtype}, expected "
+                             f"{tuple(want.shape)} {want.dtype}")
+        if name in offsets:
+            if values.size:
+                np.copyto(target[offsets[name]:offsets[name] + values.size], values.reshape(-1))
+        else:
+            single[name] = torch.from_numpy(np.array(values)).to(device)
+    tensors = {}
+    if vector is not None:
+        tensors = views(vector.to(device), packed, [expected[n].shape for n in packed])
+    tensors.update(single)
+    lead = list(first)[:consecutive(tensors, list(first))] if tensors else []
+    norm = vector_norms([as_vector(tensors, lead)])[0] if lead == list(first) and lead else None
+    rest = packed[len(lead):] if norm is not None else packed
+    finite = (norm is None or math.isfinite(norm)) and (
+        not rest or math.isfinite(float(as_vector(tensors, rest).sum())))
+    if not finite and (bad := [n for n in packed if not all_finite(tensors[n])]):
+        raise ReplyError(f"{key!r}[{bad[0]!r}] has non-finite values")
+    for name, tensor in single.items():
+        if tensor.is_floating_point() and not all_finite(tensor):
+            raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
+    if norm is None:  # ``first`` not one vector (mixed dtypes): entry by entry
+        norm = vector_norms([torch.cat([tensors[n].reshape(-1).double() for n in first])])[0] if first else 0.0
+    return tensors, norm
+
+
+def negative_entries(arrays: TensorDict, names: Sequence[str]) -> list[str]:
+    """The entries among ``names`` holding a negative value: one minimum over them when they lie
+    in one vector (:func:`read_arrays`), entry by entry only when it is negative."""
+    run = consecutive(arrays, names)
+    if run == len(names) and names:
+        vector = as_vector(arrays, names)
+        if not vector.numel() or float(vector.min()) >= 0:
+            return []
+    return [n for n in names if arrays[n].numel() and float(arrays[n].min()) < 0]
+
+
+@functools.lru_cache(maxsize=32)
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """NumPy's dtype for a torch dtype (None for one NumPy lacks, e.g. bfloat16)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
 
 
 def number(metrics: MetricRecord, key: str) -> float:
@@ -120,18 +211,6 @@ def count(metrics: MetricRecord, key: str, minimum: int = 1) -> int:
     if value < minimum or value != int(value):
         raise ReplyError(f"metric {key!r} must be an integer >= {minimum}, got {metrics[key]!r}")
     return int(value)
-
-
-def _check_arrays(key: str, arrays: TensorDict, expected: TensorDict) -> None:
-    if arrays.keys() != expected.keys():
-        missing, extra = expected.keys() - arrays.keys(), arrays.keys() - expected.keys()
-        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
-    for name, tensor in arrays.items():
-        if tensor.shape != expected[name].shape or tensor.dtype != expected[name].dtype:
-            raise ReplyError(f"{key!r}[{name!r}]: {tuple(tensor.shape)} {tensor.dtype}, expected "
-                             f"{tuple(expected[name].shape)} {expected[name].dtype}")
-        if tensor.is_floating_point() and not all_finite(tensor):
-            raise ReplyError(f"{key!r}[{name!r}] has non-finite values")
 
 
 def check_partition(identity: ClientKey, metrics: MetricRecord) -> None:
@@ -196,7 +275,7 @@ class RoundReplies:
 
 def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acceptance, *,
                  state: TensorDict, terms: RoundTerms, identity: Callable[[int], ClientKey],
-                 broadcast: dict[str, TensorDict]) -> RoundReplies:
+                 broadcast: dict[str, TensorDict], pool: VectorPool | None = None) -> RoundReplies:
     """The round's accepted replies, each rejection logged with node id and reason.
 
     Every reply is decoded and checked (:func:`decode_update` against the global ``state`` and
@@ -204,7 +283,8 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
     that pass are put in a fixed order (float sums depend on their order and replies arrive in
     any: the clients' identities, then node id, so a run repeats bit for bit) and measured
     against each other (:func:`moment_outliers`, :func:`update_ratios`; ``broadcast``: the
-    server's current arrays, v_bar among them)."""
+    server's current arrays, v_bar among them; ``pool``: where the decoded arrays are kept, whose
+    vectors the caller recycles once the round's updates are no longer read)."""
     out = RoundReplies()
     passed: list[Accepted] = []
     for msg in replies:
@@ -218,7 +298,7 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
         out.bytes_received += record_bytes(msg.content)
         try:
             update = decode_update(msg.content, state, acceptance.reply_keys, acceptance.trainable,
-                                   acceptance.nonnegative, acceptance.max_update_norm, terms)
+                                   acceptance.nonnegative, acceptance.max_update_norm, terms, pool=pool)
             check_partition(identity(node), msg.content["metrics"])
         except ReplyError as err:
             out.rejected += 1
@@ -256,12 +336,22 @@ def update_ratios(updates: Sequence[ClientUpdate], trainable: Sequence[str]) -> 
     """Each update's norm over the ``trainable`` parameters divided by the lower median of the
     positive norms among them, and that median (0, with every ratio 0, when no norm is positive:
     nothing to compare against)."""
-    norms = [global_norm({name: update.delta[name] for name in trainable}) for update in updates]
+    norms = measured_norms(updates, None, trainable)
     positive = [norm for norm in norms if norm > 0]
     if not positive:
         return [0.0] * len(norms), 0.0
     median = lower_median(positive)
     return [norm / median for norm in norms], median
+
+
+def measured_norms(updates: Sequence[ClientUpdate], key: str | None, names: Sequence[str]) -> list[float]:
+    """Each update's L2 norm over the entries ``names`` of its delta (``key`` None) or of its
+    reply array ``key``: the one measured when it was decoded (``ClientUpdate.norms``, over the
+    trainable parameters), else measured here, all updates in one pass."""
+    label = "delta" if key is None else key
+    if all(label in u.norms for u in updates):
+        return [u.norms[label] for u in updates]
+    return vector_norms([as_vector(u.delta if key is None else u.arrays[key], names) for u in updates])
 
 
 def moment_outliers(updates: Sequence[ClientUpdate], keys: Sequence[str], broadcast: dict[str, TensorDict],
@@ -275,9 +365,9 @@ def moment_outliers(updates: Sequence[ClientUpdate], keys: Sequence[str], broadc
         return []
     outliers = []
     for key in keys:
-        norms = [global_norm(update.arrays[key]) for update in updates]
-        reference = [n for n in norms + ([global_norm(broadcast[f"{key}_bar"])]
-                                         if f"{key}_bar" in broadcast else []) if n > 0]
+        norms = measured_norms(updates, key, list(updates[0].arrays[key]))
+        bar = vector_norms([as_vector(broadcast[f"{key}_bar"])]) if f"{key}_bar" in broadcast else []
+        reference = [n for n in norms + bar if n > 0]
         if not reference:
             continue
         median = lower_median(reference)

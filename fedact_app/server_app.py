@@ -96,7 +96,8 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
         max_empty_rounds=cfg.max_empty_rounds, max_update_norm=cfg.max_update_norm,
         batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio,
         max_update_ratio=cfg.max_update_ratio, wire_dtype=cfg.wire_dtype,
-        train_config=client_round_config(checkpointer, resume))
+        train_config=client_round_config(checkpointer, resume),
+        device=resolve_device(cfg.server_device, "server_device"))
     if resume is not None:
         restore(strategy, resume.checkpoint)
         log(INFO, "Resuming after round %d from %s", resume.checkpoint.round, resume.source)

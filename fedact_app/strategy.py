@@ -41,14 +41,16 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from logging import INFO, WARNING
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedact_app.algorithms import ClientUpdate, ServerRule, TensorDict
-from fedact_app.diagnostics import direction_consistency, global_norm, mean_client_statistics
+from fedact_app.diagnostics import mean_client_statistics, vector_norms, vectors_direction_consistency
 from fedact_app.finite import describe_names, non_finite
+from fedact_app.packing import VectorPool, as_vector
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
 from fedact_app.replies import Acceptance, ReplyError, RoundTerms, accept_round, count, number, record_bytes
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
@@ -92,6 +94,11 @@ def collect(grid: Grid, pending: set[str], timeout: float | None) -> list[Messag
     return replies
 
 
+def on_host(tensors: TensorDict) -> TensorDict:
+    """CPU copies of ``tensors``, each with storage of its own."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+
+
 def warn_shared_partitions(server_round: int, order: Sequence[tuple[int, int]]) -> None:
     """Log a warning when accepted replies of one round name the same partition-id: two SuperNodes
     started with one ``--node-config "partition-id=i ..."`` train on the same data while another
@@ -114,6 +121,9 @@ class AlgorithmStrategy(Strategy):
 
     ``batch_size`` bounds a reply's ``num-examples`` (K x batch_size); ``max_update_norm``,
     ``max_moment_ratio`` and ``max_update_ratio`` bound a reply's size (fedact_app.replies.Acceptance).
+    ``device`` (the run's ``server_device``) holds the global state, the rule's state and the
+    decoded replies, so the checks, the diagnostics and the aggregation run there; what goes on the
+    wire, into checkpoints and into the results is moved to the CPU.
     """
 
     def __init__(self, rule: ServerRule, *, trainable: Sequence[str],
@@ -123,8 +133,10 @@ class AlgorithmStrategy(Strategy):
                  node_wait_timeout: float = 300.0, max_update_norm: float | None = None,
                  batch_size: int | None = None, max_moment_ratio: float = MAX_MOMENT_RATIO,
                  max_update_ratio: float = MAX_UPDATE_RATIO, train_config: dict | None = None,
-                 wire_dtype: str = "float32") -> None:
+                 wire_dtype: str = "float32", device: torch.device | str = "cpu") -> None:
         self.rule = rule
+        self.device = torch.device(device)  # where the global state, the rule's state and the replies live
+        self.vectors = VectorPool(pin=self.device.type == "cuda")  # the decoded replies' vectors (reused)
         self.trainable = list(trainable)
         self.local_steps = local_steps
         self.lr_schedule = lr_schedule
@@ -255,9 +267,10 @@ class AlgorithmStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self.vectors.recycle()  # the last round's replies: nothing reads them any more
         round_replies = accept_round(server_round, replies, self.acceptance, state=self.state,
                                      terms=self.round_terms(server_round), identity=self.client_key_of,
-                                     broadcast=self.rule.broadcast())
+                                     broadcast=self.rule.broadcast(), pool=self.vectors)
         accepted, rejected = round_replies.accepted, round_replies.rejected
         missing = max(self.messages_sent - round_replies.received, 0)
         if missing:
@@ -291,9 +304,10 @@ class AlgorithmStrategy(Strategy):
             metrics["client_train_seconds_max"] = max(seconds)  # the slowest client (stragglers)
         if round_replies.update_ratio is not None:  # how close honest updates come to max_update_ratio
             metrics["update_norm_ratio"] = round_replies.update_ratio
-        metrics["direction_consistency"] = direction_consistency([u.delta for u in updates], self.trainable)
+        metrics["direction_consistency"] = vectors_direction_consistency(
+            [as_vector(u.delta, self.trainable) for u in updates])
         if "delta_g" in (broadcast := self.rule.broadcast()):
-            metrics["delta_g_norm"] = global_norm(broadcast["delta_g"])
+            metrics["delta_g_norm"] = vector_norms([as_vector(broadcast["delta_g"], self.trainable)])[0]
         metrics.update(mean_client_statistics(client_metrics))
         return array_record(self.state), MetricRecord(metrics)
 
@@ -373,13 +387,18 @@ class AlgorithmStrategy(Strategy):
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the strategy: the global ``model`` state, the rule's state
-        (``ServerRule.state_dict``) and the count of consecutive ``empty_rounds``."""
-        return {"model": dict(self.state), "rule": self.rule.state_dict(), "empty_rounds": self.empty_rounds}
+        (``ServerRule.state_dict``) and the count of consecutive ``empty_rounds``; the tensors are
+        CPU copies of their own (a checkpoint loads on a machine without the server's device, and
+        safetensors refuses tensors that share memory, as the views of a decoded reply do)."""
+        return {"model": on_host(self.state),
+                "rule": {key: on_host(arrays) for key, arrays in self.rule.state_dict().items()},
+                "empty_rounds": self.empty_rounds}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s output (a resumed run)."""
-        self.state = dict(state["model"])
-        self.rule.load_state_dict(state["rule"])
+        """Restore ``state_dict()``'s output (a resumed run), onto the strategy's ``device``."""
+        self.state = {name: t.to(self.device) for name, t in state["model"].items()}
+        self.rule.load_state_dict({key: {name: t.to(self.device) for name, t in arrays.items()}
+                                   for key, arrays in state["rule"].items()})
         self.empty_rounds = int(state["empty_rounds"])
 
     def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
@@ -405,10 +424,10 @@ class AlgorithmStrategy(Strategy):
         ``first_round`` is 1), ``on_round_end(row)`` receives each round's metrics and
         ``after_round(round)`` runs after it (checkpoints). Flower's own ``Strategy.start`` (its
         round loop for ArrayRecords) is not used: this loop adds the method's broadcast arrays,
-        the reply checks and the empty-round accounting."""
+        the reply checks and the empty-round accounting. The returned state is on the CPU."""
         self.summary()
         if initial_state is not None:
-            self.state = dict(initial_state)
+            self.state = {name: t.to(self.device) for name, t in initial_state.items()}
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
         arrays = array_record(self.state)
@@ -441,4 +460,4 @@ class AlgorithmStrategy(Strategy):
             raise RuntimeError(
                 f"No usable client reply in any round (1..{num_rounds}): the model was never "
                 f"updated. The reasons are logged above as 'node ... failed' / 'rejected reply'.")
-        return self.state
+        return on_host(self.state)

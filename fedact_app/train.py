@@ -22,11 +22,15 @@ def batch_generator(seed: int, server_round: int, partition_id: int, device: tor
     return generator
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> CUDA when one is visible, else CPU; ``cuda`` fails clearly when none is."""
+def resolve_device(device: str, key: str = "device") -> torch.device:
+    """``auto`` -> CUDA when one is visible, else CPU; ``cuda`` fails clearly when none is, naming
+    the config ``key`` that asked for it (``device``, or the ServerApp's ``server_device``)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
+        if key == "server_device":
+            raise RuntimeError("server_device=cuda but no CUDA device is visible to the ServerApp process; "
+                               "use server_device=auto or server_device=cpu.")
         raise RuntimeError(
             "device=cuda but no CUDA device is visible to this process. In a Flower simulation a "
             "client sees a GPU only with --federation-config 'client-resources-num-gpus=...' > 0 "

@@ -144,6 +144,15 @@ def test_bench_aggregation_quick_prints_each_rule_against_the_mean():
         assert re.search(rf"^{rule} +\d+\.\d +\[\d+\.\d-\d+\.\d\] +\d+\.\d\d$", out, re.M), (rule, out)
 
 
+def test_bench_server_quick_prints_each_piece_the_round_and_the_floor():
+    out = run_script("bench_server.py", "--quick", timeout=180)
+    assert re.search(r"^cnn_small: 19,466 trainable parameters in 6 tensors; 3 FedACT replies \(delta, v\); "
+                     r".+, \d+ threads; device cpu; median of 2", out, re.M), out
+    for piece in ("decode + checks", "acceptance", "aggregate", "DC + ||Delta_G||", "server round"):
+        assert re.search(rf"^{re.escape(piece)} +\d+\.\d +\[\d+\.\d-\d+\.\d\] +\d+\.\d\d$", out, re.M), (piece, out)
+    assert re.search(r"^floor: stack\(S x d\)\.sum\(0\) +\d+\.\d +\[\d+\.\d-\d+\.\d\] +1\.00$", out, re.M), out
+
+
 def test_gpu_checks_names_files_that_exist_and_refuses_an_unknown_step(tmp_path):
     """scripts/gpu_checks.sh, the GPU run prepared for a machine that has one: every script and
     test file it runs is there, and a step it does not know stops it, naming the known ones."""

@@ -1,0 +1,197 @@
+"""Benchmark: the ServerApp's own work a round, piece by piece, against a floor.
+
+    python scripts/bench_server.py                    # ViT-Tiny at 32 px, 100 classes, 10 FedACT replies, 7 repeats
+    python scripts/bench_server.py --device cuda      # the same with the rule's tensors on the GPU
+    python scripts/bench_server.py --quick            # cnn_small, 3 clients, 2 repeats (CI smoke)
+
+The replies are ``--clients`` FedACT reply records (``delta`` over the model state, ``v`` over
+the trainable parameters, the metrics a client sends) of the model's real shapes (random
+values; the server's cost does not depend on them), built once as the ServerApp receives them:
+Flower ``RecordDict`` objects. Each repeat times, in turn:
+
+- decode + checks: ``fedact_app.replies.decode_update`` of every reply (the arrays out of the
+  records into one vector per key, reused from round to round as the strategy reuses them;
+  names/shapes/dtypes, finiteness and the norms in one pass, v >= 0, the metrics);
+- acceptance: the round-relative bounds over the decoded replies (``update_ratios``,
+  ``moment_outliers``, from the norms measured in decoding);
+- aggregate: the rule's ``FedACTServer.aggregate`` (x + mean(Delta_i), Delta_G, v_bar);
+- DC + ||Delta_G||: the round's diagnostics over the accepted updates, as the strategy takes
+  them (``vectors_direction_consistency``, ``vector_norms``);
+- server round: ``AlgorithmStrategy.aggregate_train`` on the replies as Flower ``Message``
+  objects: the pieces above, the check that the aggregate is finite, and the new global state
+  made into the ``ArrayRecord`` the next round sends;
+- floor: one pass reading the S x d floats of the deltas, ``torch.stack(deltas).sum(0)``
+  (what any rule that looks at every reply's every coordinate once costs at least).
+
+With ``--device cuda`` the strategy's ``device`` (the run's ``server_device``) is the GPU: the
+replies are decoded onto it and every piece runs there (the timings wait for the GPU to finish).
+
+The pieces alternate within every repeat, so a slower or busier stretch of the machine hits them
+alike; each figure is the median of ``--repeats`` with its range, and the ratio is to the
+floor's median of the same run. The header names the machine (``lscpu``'s model name), the
+torch threads and the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parents[1]
+if str(APP_DIR) not in sys.path:
+    sys.path.insert(0, str(APP_DIR))
+
+import torch  # noqa: E402
+from flwr.app import Message, Metadata, MessageType, MetricRecord, RecordDict  # noqa: E402
+
+from fedact_app.algorithms import ALGORITHMS  # noqa: E402
+from fedact_app.config import compose  # noqa: E402
+from fedact_app.diagnostics import vector_norms, vectors_direction_consistency  # noqa: E402
+from fedact_app.packing import as_vector  # noqa: E402
+from fedact_app.replies import decode_update, moment_outliers, update_ratios  # noqa: E402
+from fedact_app.server_app import initial_model  # noqa: E402
+from fedact_app.strategy import AlgorithmStrategy  # noqa: E402
+from fedact_app.train import resolve_device  # noqa: E402
+from fedact_app.wire import array_record  # noqa: E402
+
+PIECES = ("decode + checks", "acceptance", "aggregate", "DC + ||Delta_G||")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="vit_tiny")
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="the server's device (server_device): cpu | cuda | auto")
+    parser.add_argument("--quick", action="store_true", help="cnn_small on digits, 3 clients, 2 repeats")
+    return parser.parse_args(argv)
+
+
+def machine() -> str:
+    """The CPU's model name (``lscpu``), or the platform's processor string."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def replies_of(state: dict, trainable: list[str], clients: int) -> list[RecordDict]:
+    """``clients`` FedACT reply records of the state's shapes: Delta_i ~ 1e-3 N(0, 1), v_i ~ U(0, 1e-4)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(clients):
+        delta = {n: (torch.randn(t.shape, generator=gen) * 1e-3).to(t.dtype) if t.is_floating_point()
+                 else torch.zeros_like(t) for n, t in state.items()}
+        v = {n: torch.rand(state[n].shape, generator=gen) * 1e-4 for n in trainable}
+        out.append(RecordDict({"delta": array_record(delta), "v": array_record(v),
+                               "metrics": MetricRecord({"num-examples": 2500, "num-steps": 50,
+                                                        "lr-sum": 50 * 3e-4, "train-loss": 1.0})}))
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def message(node: int, content: RecordDict) -> Message:
+    """A reply as the SuperLink hands it to the ServerApp."""
+    metadata = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0,
+                        reply_to_message_id=f"q{node}", group_id="1", created_at=time.time(), ttl=60.0,
+                        message_type=MessageType.TRAIN)
+    return Message(metadata=metadata, content=content)
+
+
+class Round:
+    """One server round's pieces over the same replies, each timed on its own."""
+
+    def __init__(self, cfg, x: dict, trainable: list[str], replies: list[RecordDict], device: torch.device):
+        self.rule = ALGORITHMS["fedact"].server(cfg.algorithm, trainable)
+        self.strategy = AlgorithmStrategy(ALGORITHMS["fedact"].server(cfg.algorithm, trainable),
+                                          trainable=trainable, local_steps=50, lr_schedule=lambda r: 3e-4,
+                                          fraction_train=1.0, min_train_nodes=1, device=device)
+        self.strategy.load_state_dict({"model": x, "rule": {}, "empty_rounds": 0})
+        self.x = self.strategy.state
+        self.trainable, self.replies = trainable, replies
+        self.messages = [message(node + 1, content) for node, content in enumerate(replies)]
+        self.updates = self.decode()
+
+    def decode(self):
+        self.strategy.vectors.recycle()  # as the strategy does: each round into the last round's vectors
+        return [decode_update(c, self.x, self.rule.reply_keys, self.trainable, self.rule.nonnegative_keys,
+                              pool=self.strategy.vectors) for c in self.replies]
+
+    def accept(self):
+        moment_outliers(self.updates, self.rule.nonnegative_keys, self.rule.broadcast(), 1e6)
+        return update_ratios(self.updates, self.trainable)
+
+    def aggregate(self):
+        return self.rule.aggregate(self.x, self.updates)
+
+    def diagnostics(self):
+        dc = vectors_direction_consistency([as_vector(u.delta, self.trainable) for u in self.updates])
+        return dc, vector_norms([as_vector(self.rule.broadcast()["delta_g"], self.trainable)])[0]
+
+    def whole(self):
+        self.strategy.messages_sent = len(self.messages)
+        _, metrics = self.strategy.aggregate_train(1, self.messages)
+        if metrics["clients"] != len(self.messages):
+            raise RuntimeError(f"the round accepted {metrics['clients']} of {len(self.messages)} replies")
+
+
+def flat(arrays: dict, names: list[str]) -> torch.Tensor:
+    """The entries ``names`` as one vector (a copy)."""
+    return torch.cat([arrays[n].reshape(-1) for n in names])
+
+
+def timed(fn, device: torch.device) -> float:
+    synchronize(device)
+    started = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.quick:
+        args.model, args.clients, args.repeats = "cnn_small", 3, 2
+    data = ["dataset=digits"] if args.model == "cnn_small" else [
+        "dataset=synthetic", "dataset.image_size=32", "dataset.num_classes=100"]
+    cfg = compose([*data, f"model={args.model}", "algorithm=fedact", "device=cpu"])
+    _, _, x, trainable = initial_model(cfg)
+    device = resolve_device(args.device, "server_device")
+    run = Round(cfg, x, trainable, replies_of(x, trainable, args.clients), device)
+    deltas = [flat(u.delta, trainable) for u in run.updates]
+    pieces = {"decode + checks": run.decode, "acceptance": run.accept, "aggregate": run.aggregate,
+              "DC + ||Delta_G||": run.diagnostics, "server round": run.whole,
+              "floor: stack(S x d).sum(0)": lambda: torch.stack(deltas).sum(0)}
+    for fn in pieces.values():  # warm-up: the allocator, the kernels
+        timed(fn, device)
+    times: dict[str, list[float]] = {name: [] for name in pieces}
+    for _ in range(args.repeats):
+        for name, fn in pieces.items():
+            times[name].append(timed(fn, device))
+    d = sum(x[n].numel() for n in trainable)
+    print(f"{args.model}: {d:,} trainable parameters in {len(trainable)} tensors; {args.clients} FedACT replies "
+          f"(delta, v); {machine()}, {torch.get_num_threads()} threads; device {device}; median of "
+          f"{args.repeats} [min-max]")
+    floor = statistics.median(times["floor: stack(S x d).sum(0)"])
+    print(f"{'piece':<28}{'ms':>10}  {'range':<21}{'ratio to floor':>15}")
+    for name, values in times.items():
+        median = statistics.median(values)
+        spread = f"[{1e3 * min(values):.1f}-{1e3 * max(values):.1f}]"
+        print(f"{name:<28}{1e3 * median:>10.1f}  {spread:<21}{median / floor:>15.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
