@@ -8,7 +8,7 @@
 #
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
 #   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA
-#   server          bench_server.py with server_device=cuda
+#   server          the server round's tests (their cuda case), then bench_server.py on CUDA
 #   round           bench_round.py --paper: the seed's round, GPU busy share, 300-round projection
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
@@ -47,7 +47,9 @@ for name in "${@:-optim server round}"; do
             step optim-tests 150 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
                 tests/test_optim_topk.py tests/test_compile_model.py -k cuda
             step bench-optimizer 150 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 ;;
-        server) step bench-server 120 python3 scripts/bench_server.py --device cuda ;;
+        server)
+            step server-tests 90 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_server_round.py
+            step bench-server 150 python3 scripts/bench_server.py --device cuda --repeats 20 ;;
         round) step bench-round-paper 300 python3 scripts/bench_round.py --paper ;;
         round-compiled)
             step bench-round-compiled 300 python3 scripts/bench_round.py --paper --overrides "compile_model=reduce-overhead" ;;
