@@ -43,6 +43,14 @@ class CentralEvaluator:
         return self.task.evaluate(self.model, self.device)
 
 
+def server_device(cfg: Config) -> torch.device:
+    """Where the ServerApp keeps the global state and combines the replies (``server_device``):
+    ``auto`` is the CPU in a ``device=cpu`` run (the whole run on the CPU, as its results on
+    another machine are), else CUDA where this process sees a GPU."""
+    choice = "cpu" if cfg.server_device == "auto" and cfg.device == "cpu" else cfg.server_device
+    return resolve_device(choice, "server_device")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -97,7 +105,7 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
         batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio,
         max_update_ratio=cfg.max_update_ratio, wire_dtype=cfg.wire_dtype,
         train_config=client_round_config(checkpointer, resume),
-        device=resolve_device(cfg.server_device, "server_device"))
+        device=server_device(cfg))
     if resume is not None:
         restore(strategy, resume.checkpoint)
         log(INFO, "Resuming after round %d from %s", resume.checkpoint.round, resume.source)

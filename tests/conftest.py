@@ -17,7 +17,7 @@ _resolve_device = fedact_app.train.resolve_device
 _CURRENT_TEST: list[pytest.Item] = []
 
 
-def _pinned_resolve_device(device: str):
+def _pinned_resolve_device(device: str, *args, **kwargs):
     """``resolve_device`` that fails a test resolving ``device=auto`` in this process unless it
     is marked ``any_device``: on a machine with a GPU, auto is CUDA, and a test comparing with a
     CPU computation would then fail there only. Tests pin ``device=cpu`` (or ask for cuda)."""
@@ -25,7 +25,7 @@ def _pinned_resolve_device(device: str):
     if device == "auto" and item is not None and item.get_closest_marker("any_device") is None:
         pytest.fail(f"{item.nodeid} resolves device=auto, which is CUDA on a GPU machine: pin device=cpu "
                     "in its config (or mark it any_device when it holds on every device)", pytrace=False)
-    return _resolve_device(device)
+    return _resolve_device(device, *args, **kwargs)
 
 
 fedact_app.train.resolve_device = _pinned_resolve_device

@@ -244,3 +244,16 @@ def test_the_next_rounds_replies_reuse_the_vectors_without_touching_what_the_las
     assert flat_list(v_bar, TRAINABLE) == pytest.approx(flat_list(first[1], TRAINABLE))
     assert flat_list(x, ["w", "bn.mean", "b"]) == pytest.approx(flat_list(first[0], ["w", "bn.mean", "b"]))
     assert flat_list(strategy.rule.v_bar, TRAINABLE) == pytest.approx(flat_list(second[1], TRAINABLE))
+
+
+@pytest.mark.any_device
+def test_server_device_auto_follows_a_cpu_run_and_takes_a_visible_gpu_otherwise(monkeypatch):
+    from fedact_app.server_app import server_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as resolve_device sees it
+    assert server_device(compose("device=cpu")).type == "cpu"
+    assert server_device(compose("device=auto")).type == "cuda"
+    assert server_device(compose("device=cpu server_device=cuda")).type == "cuda"
+    assert server_device(compose("device=auto server_device=cpu")).type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert server_device(compose("device=auto")).type == "cpu"
