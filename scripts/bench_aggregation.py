@@ -15,22 +15,23 @@ each ``aggregation``. The rules alternate within every repeat (mean, trimmed_mea
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1]
-if str(APP_DIR) not in sys.path:
-    sys.path.insert(0, str(APP_DIR))
+for _path in (APP_DIR, APP_DIR / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 
 from fedact_app.aggregation import Aggregation  # noqa: E402
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate  # noqa: E402
-from fedact_app.config import compose  # noqa: E402
+from fedact_app.config import Config, compose  # noqa: E402
 from fedact_app.registry import AGGREGATIONS  # noqa: E402
 from fedact_app.server_app import initial_model  # noqa: E402
+from interleaved import interleaved, print_medians  # noqa: E402  (scripts/)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,6 +41,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="cnn_small on digits, 3 clients, 2 repeats")
     return parser.parse_args(argv)
+
+
+def fedact_state(model: str, num_classes: int) -> tuple[Config, dict, list[str]]:
+    """A FedACT config of ``model`` (cnn_small on digits, another on 32 x 32 synthetic images of
+    ``num_classes`` classes), its initial global state and its trainable parameters' names."""
+    data = ["dataset=digits"] if model == "cnn_small" else [
+        "dataset=synthetic", "dataset.image_size=32", f"dataset.num_classes={num_classes}"]
+    cfg = compose([*data, f"model={model}", "algorithm=fedact", "device=cpu"])
+    _, _, x, trainable = initial_model(cfg)
+    return cfg, x, trainable
 
 
 def updates_of(state: dict, trainable: list[str], clients: int) -> list[ClientUpdate]:
@@ -55,41 +66,21 @@ def updates_of(state: dict, trainable: list[str], clients: int) -> list[ClientUp
     return updates
 
 
-def timed_round(rule, x: dict, updates: list[ClientUpdate]) -> float:
-    started = time.perf_counter()
-    rule.aggregate(x, updates)
-    return time.perf_counter() - started
-
-
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.quick:
         args.model, args.clients, args.repeats = "cnn_small", 3, 2
-    data = ["dataset=digits"] if args.model == "cnn_small" else [
-        "dataset=synthetic", "dataset.image_size=32", "dataset.channels=3", "dataset.mean=[0,0,0]",
-        "dataset.std=[1,1,1]", "dataset.num_classes=10"]
-    cfg = compose([*data, f"model={args.model}", "algorithm=fedact", "device=cpu"])
-    _, _, x, trainable = initial_model(cfg)
+    cfg, x, trainable = fedact_state(args.model, num_classes=10)
     updates = updates_of(x, trainable, args.clients)
     rules = {name: ALGORITHMS["fedact"].server(cfg.algorithm, trainable, aggregation=Aggregation(name))
              for name in AGGREGATIONS}
-    for name, rule in rules.items():  # warm-up: the allocator, the sort kernels
-        timed_round(rule, x, updates)
-    times: dict[str, list[float]] = {name: [] for name in rules}
-    for _ in range(args.repeats):
-        for name, rule in rules.items():
-            times[name].append(timed_round(rule, x, updates))
+    times = interleaved({name: functools.partial(rule.aggregate, x, updates) for name, rule in rules.items()},
+                        args.repeats)
     d = sum(x[n].numel() for n in trainable)
     print(f"{args.model}: {d:,} trainable parameters in {len(trainable)} tensors; {args.clients} clients; "
           f"cpu, {torch.get_num_threads()} threads; FedACT round (x, Delta_G, v_bar); median of {args.repeats} "
           f"[min-max]")
-    base = statistics.median(times["mean"])
-    print(f"{'aggregation':<14}{'round ms':>10}  {'range':<19}{'ratio to mean':>14}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        spread = f"[{1e3 * min(values):.1f}-{1e3 * max(values):.1f}]"
-        print(f"{name:<14}{1e3 * median:>10.1f}  {spread:<19}{median / base:>14.2f}")
-
+    print_medians(times, "mean", ("aggregation", 14), "round ms", 19, ("ratio to mean", 14))
 
 if __name__ == "__main__":
     main(sys.argv[1:])

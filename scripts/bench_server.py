@@ -36,25 +36,25 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1]
-if str(APP_DIR) not in sys.path:
-    sys.path.insert(0, str(APP_DIR))
+for _path in (APP_DIR, APP_DIR / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 from flwr.app import Message, Metadata, MessageType, MetricRecord, RecordDict  # noqa: E402
 
 from fedact_app.algorithms import ALGORITHMS  # noqa: E402
-from fedact_app.config import compose  # noqa: E402
 from fedact_app.diagnostics import vector_norms, vectors_direction_consistency  # noqa: E402
 from fedact_app.packing import as_vector  # noqa: E402
 from fedact_app.replies import decode_update, moment_outliers, update_ratios  # noqa: E402
-from fedact_app.server_app import initial_model  # noqa: E402
+from bench_aggregation import fedact_state, updates_of  # noqa: E402  (scripts/)
+from interleaved import interleaved, print_medians  # noqa: E402  (scripts/)
 from fedact_app.strategy import AlgorithmStrategy  # noqa: E402
 from fedact_app.train import resolve_device  # noqa: E402
 from fedact_app.wire import array_record  # noqa: E402
@@ -85,22 +85,11 @@ def machine() -> str:
 
 
 def replies_of(state: dict, trainable: list[str], clients: int) -> list[RecordDict]:
-    """``clients`` FedACT reply records of the state's shapes: Delta_i ~ 1e-3 N(0, 1), v_i ~ U(0, 1e-4)."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(clients):
-        delta = {n: (torch.randn(t.shape, generator=gen) * 1e-3).to(t.dtype) if t.is_floating_point()
-                 else torch.zeros_like(t) for n, t in state.items()}
-        v = {n: torch.rand(state[n].shape, generator=gen) * 1e-4 for n in trainable}
-        out.append(RecordDict({"delta": array_record(delta), "v": array_record(v),
-                               "metrics": MetricRecord({"num-examples": 2500, "num-steps": 50,
-                                                        "lr-sum": 50 * 3e-4, "train-loss": 1.0})}))
-    return out
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """The reply records of bench_aggregation.py's ``clients`` FedACT updates (delta, v)."""
+    return [RecordDict({"delta": array_record(u.delta), "v": array_record(u.arrays["v"]),
+                        "metrics": MetricRecord({"num-examples": u.num_examples, "num-steps": u.num_steps,
+                                                 "lr-sum": u.lr_sum, "train-loss": 1.0})})
+            for u in updates_of(state, trainable, clients)]
 
 
 def message(node: int, content: RecordDict) -> Message:
@@ -153,45 +142,23 @@ def flat(arrays: dict, names: list[str]) -> torch.Tensor:
     return torch.cat([arrays[n].reshape(-1) for n in names])
 
 
-def timed(fn, device: torch.device) -> float:
-    synchronize(device)
-    started = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - started
-
-
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.quick:
         args.model, args.clients, args.repeats = "cnn_small", 3, 2
-    data = ["dataset=digits"] if args.model == "cnn_small" else [
-        "dataset=synthetic", "dataset.image_size=32", "dataset.num_classes=100"]
-    cfg = compose([*data, f"model={args.model}", "algorithm=fedact", "device=cpu"])
-    _, _, x, trainable = initial_model(cfg)
+    cfg, x, trainable = fedact_state(args.model, num_classes=100)
     device = resolve_device(args.device, "server_device")
     run = Round(cfg, x, trainable, replies_of(x, trainable, args.clients), device)
     deltas = [flat(u.delta, trainable) for u in run.updates]
     pieces = {"decode + checks": run.decode, "acceptance": run.accept, "aggregate": run.aggregate,
               "DC + ||Delta_G||": run.diagnostics, "server round": run.whole,
               "floor: stack(S x d).sum(0)": lambda: torch.stack(deltas).sum(0)}
-    for fn in pieces.values():  # warm-up: the allocator, the kernels
-        timed(fn, device)
-    times: dict[str, list[float]] = {name: [] for name in pieces}
-    for _ in range(args.repeats):
-        for name, fn in pieces.items():
-            times[name].append(timed(fn, device))
+    times = interleaved(pieces, args.repeats, device)
     d = sum(x[n].numel() for n in trainable)
     print(f"{args.model}: {d:,} trainable parameters in {len(trainable)} tensors; {args.clients} FedACT replies "
           f"(delta, v); {machine()}, {torch.get_num_threads()} threads; device {device}; median of "
           f"{args.repeats} [min-max]")
-    floor = statistics.median(times["floor: stack(S x d).sum(0)"])
-    print(f"{'piece':<28}{'ms':>10}  {'range':<21}{'ratio to floor':>15}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        spread = f"[{1e3 * min(values):.1f}-{1e3 * max(values):.1f}]"
-        print(f"{name:<28}{1e3 * median:>10.1f}  {spread:<21}{median / floor:>15.2f}")
-
+    print_medians(times, "floor: stack(S x d).sum(0)", ("piece", 28), "ms", 21, ("ratio to floor", 15))
 
 if __name__ == "__main__":
     main(sys.argv[1:])
