@@ -320,7 +320,7 @@ class Config:
     max_update_ratio: float = MAX_UPDATE_RATIO  # reject an update whose norm exceeds this x the round's median; 0 = off
     aggregation: str = "mean"  # how the server combines replies: mean | trimmed_mean | median (fedact_app.aggregation)
     trim_fraction: float = TRIM_FRACTION  # trimmed_mean: drop ceil(trim_fraction x S) replies at each end
-    server_device: str = "auto"  # ServerApp checks/aggregation: auto (cpu if device=cpu, else cuda if seen) | cpu | cuda
+    server_device: str = "auto"  # ServerApp checks, aggregation: auto (cpu if device=cpu, else a GPU) | cpu | cuda
     checkpoint_every: int = 0  # write a checkpoint every n rounds; 0 = only after the last round
     keep_checkpoints: int = 2  # the newest checkpoints kept in <run folder>/checkpoints
     resume: Optional[str] = None  # continue from a checkpoint file, or a run folder's newest one

@@ -37,22 +37,23 @@ CLIENT_METRICS = {"positive-ratio": "positive_ratio", "top-p-mass": "top_p_mass"
 
 
 _FLOAT64_CHUNK = 1 << 16  # entries of each vector converted to float64 at a time on the CPU: the block stays in cache
-_FLOAT64_CHUNK_DEVICE = 1 << 22  # on an accelerator: blocks of S x 4 Mi float64 entries (few kernels, one sync)
+_FLOAT64_BLOCK_DEVICE = 1 << 23  # on an accelerator: blocks of 8 Mi float64 entries, 64 MiB (few kernels, one sync)
 
 
 def _float64_blocks(parts: Iterable[Sequence[Tensor]], rows: int) -> Iterator[Tensor]:
     """Blocks of ``rows`` float64 rows: row ``i`` holds, chunk by chunk, the entries of
     ``part[i]`` for every part (the same piece of each vector, equal sizes), and any row past
     ``len(part)`` is left for the caller to fill. Blocks share one buffer: use each before the next.
-    The chunk is ``_FLOAT64_CHUNK`` entries on the CPU (up to 4 times that for fewer than 4 rows),
-    ``_FLOAT64_CHUNK_DEVICE`` on a device."""
+    The chunk is ``_FLOAT64_CHUNK`` entries on the CPU (4 times that for one row, twice for two),
+    on a device ``_FLOAT64_BLOCK_DEVICE`` entries over the rows (at least ``_FLOAT64_CHUNK`` each)."""
     buffer: Optional[Tensor] = None
     for part in parts:
         flat = [t.detach().reshape(-1) for t in part]
         if buffer is None:  # on the CPU, fewer rows take longer chunks: one or two rows of 64 Ki
             # entries leave the cache mostly unused (the norm of one ViT-Tiny vector: 1.5 ms a
             # vector at 64 Ki, 1.0 ms at 256 Ki on the 2-vCPU AMD EPYC VM; 11 rows at 256 Ki: 3.5x slower)
-            chunk = _FLOAT64_CHUNK * max(1, 4 // rows) if flat[0].device.type == "cpu" else _FLOAT64_CHUNK_DEVICE
+            chunk = (_FLOAT64_CHUNK * max(1, 4 // rows) if flat[0].device.type == "cpu"
+                     else max(_FLOAT64_CHUNK, _FLOAT64_BLOCK_DEVICE // rows))
             buffer = torch.empty(rows, chunk, dtype=torch.float64, device=flat[0].device)
         size = flat[0].numel()
         for start in range(0, size, buffer.shape[1]):

@@ -1,9 +1,9 @@
 """One vector per dict of tensors: a reply's arrays decoded into one contiguous vector, the dict's
 tensors views into it, so that a pass over every entry is one operation, not one per tensor.
 
-:func:`pack` copies tensors into one vector and returns the views; :func:`consecutive` finds the
-longest run of named entries that already lie one after the other in one storage (as the views of
-:func:`pack` do), and :func:`as_vector` returns those entries as one vector: a view when they are
+:func:`views` cuts one vector into named tensors; :func:`consecutive` finds the
+longest run of named entries that already lie one after the other in one storage (as such views
+do), and :func:`as_vector` returns those entries as one vector: a view when they are
 consecutive, else a copy (``torch.cat``). Plain torch, no Flower types.
 """
 
@@ -25,13 +25,6 @@ def views(vector: Tensor, names: Sequence[str], shapes: Sequence[torch.Size]) ->
         out[name] = vector[start:start + size].view(shape)
         start += size
     return out
-
-
-def pack(tensors: Mapping[str, Tensor], names: Sequence[str] | None = None) -> TensorDict:
-    """The entries ``names`` (default: all, in order) copied into one new vector, as views into it."""
-    names = list(tensors) if names is None else list(names)
-    vector = torch.cat([tensors[name].reshape(-1) for name in names]) if names else torch.empty(0)
-    return views(vector, names, [tensors[name].shape for name in names])
 
 
 def consecutive(tensors: Mapping[str, Tensor], names: Sequence[str]) -> int:

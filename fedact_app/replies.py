@@ -344,14 +344,14 @@ def update_ratios(updates: Sequence[ClientUpdate], trainable: Sequence[str]) -> 
     return [norm / median for norm in norms], median
 
 
-def measured_norms(updates: Sequence[ClientUpdate], key: str | None, names: Sequence[str]) -> list[float]:
-    """Each update's L2 norm over the entries ``names`` of its delta (``key`` None) or of its
-    reply array ``key``: the one measured when it was decoded (``ClientUpdate.norms``, over the
-    trainable parameters), else measured here, all updates in one pass."""
+def measured_norms(updates: Sequence[ClientUpdate], key: str | None, trainable: Sequence[str]) -> list[float]:
+    """Each update's L2 norm over the ``trainable`` parameters' entries of its delta (``key``
+    None) or of its reply array ``key``: the one :func:`decode_update` measured over them
+    (``ClientUpdate.norms``), else measured here, all updates in one pass."""
     label = "delta" if key is None else key
     if all(label in u.norms for u in updates):
         return [u.norms[label] for u in updates]
-    return vector_norms([as_vector(u.delta if key is None else u.arrays[key], names) for u in updates])
+    return vector_norms([as_vector(u.delta if key is None else u.arrays[key], trainable) for u in updates])
 
 
 def moment_outliers(updates: Sequence[ClientUpdate], keys: Sequence[str], broadcast: dict[str, TensorDict],

@@ -107,8 +107,9 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
         raise RuntimeError(f"no metrics.jsonl under {output_dir}:\n{result.tail()}")
     rows = [json.loads(line) for line in metrics[-1].read_text().splitlines() if line.strip()]
     rows = [row for row in rows if row["round"] >= 1]
-    summary = json.loads((metrics[-1].parent / "summary.json").read_text())
-    round1 = summary["started_at"] + summary["seconds"] - sum(r["seconds"] for r in rows)
+    # the last row was written as the last round ended (the file's modification time); the
+    # rounds before it ended each its own seconds earlier
+    round1 = metrics[-1].stat().st_mtime - sum(r["seconds"] for r in rows)
     ends, clock = [], round1
     for row in rows:
         clock += row["seconds"]
@@ -202,7 +203,9 @@ def measured(rows: list[dict], rounds: int) -> list[dict]:
     return inner or rows[-1:]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--quick``'s and ``--paper``'s settings applied (``--paper``'s only
+    where the option was not given)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overrides", default="", help="Hydra overrides for both sides, e.g. 'model=resnet18'")
@@ -229,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.paper:
         vars(args).update({name: value for name, value in PAPER.items() if name not in given})
         args.overrides = f"{PAPER_OVERRIDES} {args.overrides}".strip()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.num_cpus)
 
     with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:

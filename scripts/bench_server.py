@@ -137,11 +137,6 @@ class Round:
             raise RuntimeError(f"the round accepted {metrics['clients']} of {len(self.messages)} replies")
 
 
-def flat(arrays: dict, names: list[str]) -> torch.Tensor:
-    """The entries ``names`` as one vector (a copy)."""
-    return torch.cat([arrays[n].reshape(-1) for n in names])
-
-
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.quick:
@@ -149,7 +144,7 @@ def main(argv: list[str]) -> None:
     cfg, x, trainable = fedact_state(args.model, num_classes=100)
     device = resolve_device(args.device, "server_device")
     run = Round(cfg, x, trainable, replies_of(x, trainable, args.clients), device)
-    deltas = [flat(u.delta, trainable) for u in run.updates]
+    deltas = [as_vector(u.delta, trainable) for u in run.updates]
     pieces = {"decode + checks": run.decode, "acceptance": run.accept, "aggregate": run.aggregate,
               "DC + ||Delta_G||": run.diagnostics, "server round": run.whole,
               "floor: stack(S x d).sum(0)": lambda: torch.stack(deltas).sum(0)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -37,7 +38,7 @@ class GpuBusy:
         if self.available:
             self._proc = subprocess.Popen(
                 ["nvidia-smi", f"--id={self.index}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                 f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 f"--loop-ms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self._reader = threading.Thread(target=self._read, daemon=True)
             self._reader.start()
         return self
@@ -52,8 +53,13 @@ class GpuBusy:
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
+            ended_early = self._proc.poll()  # a sampler that stopped by itself failed
             self._proc.terminate()
             self._proc.wait(timeout=10)
+            if ended_early is not None and not self.samples:
+                assert self._proc.stderr is not None
+                print(f"gpu_busy: nvidia-smi exited with {ended_early}: {self._proc.stderr.read().strip()[:500]}",
+                      file=sys.stderr)
         if self._reader is not None:
             self._reader.join(timeout=10)
 

@@ -3,8 +3,8 @@
 # its output in $OUT/<step>.log (default ./gpu-checks), one line per step in $OUT/summary.txt, so
 # a run cut short still leaves what it did.
 #
-#   scripts/gpu_checks.sh                      # optim server round (about 8 minutes on an H100)
-#   scripts/gpu_checks.sh round-compiled units deploy
+#   scripts/gpu_checks.sh optim server         # (also with no step named) at most 6.5 minutes: its limits' sum
+#   scripts/gpu_checks.sh round                # at most 5; round-compiled, round-2-actors, units, deploy: 5 each
 #
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
 #   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA
@@ -40,16 +40,16 @@ min_train_nodes=4 num_rounds=5 local_steps=20 device=cuda"
 
 { nvidia-smi; python3 -c "import sys, torch; print(sys.version, torch.__version__)"; lscpu | grep 'Model name'; } \
     >"$out/machine.txt" 2>&1
-for name in "${@:-optim server round}"; do
+for name in "${@:-optim server}"; do
     for one in $name; do
         case $one in
         optim)
-            step optim-tests 150 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
+            step optim-tests 120 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
                 tests/test_optim_topk.py tests/test_compile_model.py -k cuda
-            step bench-optimizer 150 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 ;;
+            step bench-optimizer 120 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 ;;
         server)
-            step server-tests 90 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_server_round.py
-            step bench-server 150 python3 scripts/bench_server.py --device cuda --repeats 20 ;;
+            step server-tests 60 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_server_round.py
+            step bench-server 90 python3 scripts/bench_server.py --device cuda --repeats 20 ;;
         round) step bench-round-paper 300 python3 scripts/bench_round.py --paper ;;
         round-compiled)
             step bench-round-compiled 300 python3 scripts/bench_round.py --paper --overrides "compile_model=reduce-overhead" ;;

@@ -94,6 +94,8 @@ def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     known, rest = parser.parse_known_args(argv)
     if known.max_parallel < 1:
         parser.error(f"--max-parallel must be >= 1, got {known.max_parallel}")
+    if known.num_gpus is not None and not known.num_gpus >= 0:
+        parser.error(f"--num-gpus must be >= 0 (GPUs per client), got {known.num_gpus}")
     return LaunchOptions(known.num_gpus, known.num_cpus, known.timeout, known.max_parallel), rest
 
 

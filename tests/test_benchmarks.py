@@ -48,9 +48,14 @@ def test_bench_round_paper_is_the_seeds_round_on_a_gpu():
     assert (cfg.model.name, cfg.dataset.name, cfg.dataset.num_classes, cfg.dataset.image_size) == (
         "vit_tiny", "synthetic", 100, 32)
     assert (cfg.dataset.num_train, cfg.batch_size, cfg.device, cfg.algorithm.name) == (50000, 50, "cuda", "fedact")
-    assert bench_round.PAPER == dict(clients=10, local_steps=50, rounds=5, num_cpus=1, num_gpus=0.1)
+    args = bench_round.parse_args(["--paper"])
+    assert (args.clients, args.local_steps, args.rounds, args.num_cpus, args.num_gpus) == (10, 50, 5, 1, 0.1)
+    assert args.overrides == bench_round.PAPER_OVERRIDES
+    args = bench_round.parse_args(["--paper", "--num-gpus", "0.5", "--rounds", "8", "--overrides", "precision=bf16"])
+    assert (args.clients, args.rounds, args.num_gpus) == (10, 8, 0.5)  # the flags given win
+    assert compose(args.overrides).precision == "bf16" and compose(args.overrides).model.name == "vit_tiny"
     with pytest.raises(SystemExit):
-        bench_round.main(["--paper", "--quick"])
+        bench_round.parse_args(["--paper", "--quick"])
 
 
 @pytest.mark.e2e

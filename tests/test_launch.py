@@ -406,25 +406,25 @@ def test_fedact_config_is_checked_before_anything_starts(tmp_path: Path, capsys)
     """For this app (its conf/config.yaml) the launcher composes the overrides itself: a bad value
     or a SuperNode count other than num_clients fails at once, naming them; the count defaults
     to num_clients. Another app keeps the given count (default 2)."""
-    assert launch.supernodes_for(REPO_ROOT, "num_clients=4", None) == 4
-    assert launch.supernodes_for(REPO_ROOT, "num_clients=4", 4) == 4
+    assert launch.clients_of(launch.app_config(REPO_ROOT, "num_clients=4"), None) == 4
+    assert launch.clients_of(launch.app_config(REPO_ROOT, "num_clients=4"), 4) == 4
     with pytest.raises(ValueError, match=r"--num-supernodes 3 differs from num_clients=4.*--num-supernodes 4"):
-        launch.supernodes_for(REPO_ROOT, "num_clients=4", 3)
+        launch.clients_of(launch.app_config(REPO_ROOT, "num_clients=4"), 3)
     with pytest.raises(ValueError, match=r"algorithm.lr=abc.*could not be converted to Float"):
-        launch.supernodes_for(REPO_ROOT, "algorithm.lr=abc", None)
+        launch.clients_of(launch.app_config(REPO_ROOT, "algorithm.lr=abc"), None)
     app = tmp_path / "other-checkout"  # the app's own conf/ is read, not the installed package's
     shutil.copytree(REPO_ROOT / "conf", app / "conf")
     config = app / "conf" / "config.yaml"
     config.write_text(config.read_text().replace("\nnum_clients: 10", "\nnum_clients: 7"))
     (app / "fedact_app").mkdir()
     (app / "fedact_app" / "config.py").write_text("")
-    assert launch.supernodes_for(app, "", None) == 7
-    assert launch.supernodes_for(tmp_path, "anything at all", None) == 2
+    assert launch.clients_of(launch.app_config(app, ""), None) == 7
+    assert launch.clients_of(launch.app_config(tmp_path, "anything at all"), None) == 2
     other = tmp_path / "another-hydra-app"  # a conf/config.yaml of its own is not FedACT's
     (other / "conf").mkdir(parents=True)
     (other / "conf" / "config.yaml").write_text("lr: 0.1\n")
-    assert launch.supernodes_for(other, "lr=abc", None) == 2
-    assert launch.supernodes_for(tmp_path, "", 5) == 5
+    assert launch.clients_of(launch.app_config(other, "lr=abc"), None) == 2
+    assert launch.clients_of(launch.app_config(tmp_path, ""), 5) == 5
     assert launch.main(["--app", str(REPO_ROOT), "--overrides", "algorithm.tau=0"]) == 2
     assert "config error: Invalid config value algorithm.tau=0.0" in capsys.readouterr().err
     # overrides given as a --run-config key are what the run gets, so they are what is checked
@@ -476,7 +476,8 @@ def test_readable_dataset_paths_pass_the_launchers_check(tmp_path: Path) -> None
     for split in ("train", "test"):
         (tmp_path / "images" / split / "cat" / "a.png").write_bytes(b"")
     for path in ("good", "good/train.parquet", "images"):
-        assert launch.supernodes_for(REPO_ROOT, f"dataset=cifar10 dataset.path={tmp_path / path}", None) == 10
+        cfg = launch.app_config(REPO_ROOT, f"dataset=cifar10 dataset.path={tmp_path / path}")
+        assert launch.clients_of(cfg, None) == 10
 
 
 def test_pid_alive() -> None:

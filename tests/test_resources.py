@@ -127,3 +127,11 @@ def test_sweep_jobs_get_the_share(machine, fake_engine, monkeypatch, tmp_path, a
     sweep.cli(["num_clients=2", "fraction_train=1.0", "min_train_nodes=2", *argv, f"hydra.run.dir={tmp_path}",
                "hydra/job_logging=none", "hydra/hydra_logging=none"])
     assert seen == [share]
+
+
+def test_sweeps_refuse_a_negative_gpu_share(fake_engine, capsys):
+    import sweep  # (fake_engine put scripts/ on the path)
+
+    with pytest.raises(SystemExit):
+        sweep.parse_launch_options(["--num-gpus", "-1", "seed=1"])
+    assert "--num-gpus must be >= 0 (GPUs per client), got -1.0" in capsys.readouterr().err

@@ -53,7 +53,7 @@ from fedact_app.cli.flwr import LaunchError, toml_loads
 from fedact_app.cli.procs import pid_alive
 from fedact_app.cli import resources
 
-__all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "supernodes_for"]
+__all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "app_config", "clients_of"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,15 +152,10 @@ def app_config(app: Path, overrides: str) -> Any | None:
     return cfg
 
 
-def supernodes_for(app: Path, overrides: str, requested: int | None) -> int:
-    """The number of SuperNodes to simulate: for a FedACT app one per client, ``num_clients`` of
-    its config (:func:`app_config`); another number is refused, since every ClientApp would
-    refuse the run. Another app: ``requested``, default 2."""
-    return clients_of(app_config(app, overrides), requested)
-
-
 def clients_of(cfg: Any | None, requested: int | None) -> int:
-    """:func:`supernodes_for` of an already composed config (None: another app)."""
+    """The number of SuperNodes to simulate: for a FedACT app (``cfg``, its composed config) one
+    per client, ``num_clients``; another number is refused, since every ClientApp would refuse
+    the run. Another app (``cfg`` None): ``requested``, default 2."""
     if cfg is None:
         return 2 if requested is None else requested
     if requested is not None and requested != cfg.num_clients:

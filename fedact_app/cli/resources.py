@@ -28,13 +28,19 @@ from typing import Any
 from fedact_app.sampling import sample_count
 
 
+# Where a GPU driver shows itself: NVIDIA's, WSL2's GPU paravirtualization, AMD's ROCm (torch's
+# HIP build answers torch.cuda too).
+DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
 def visible_gpus() -> int:
     """CUDA devices a process started from here would see. No torch import (and no CUDA call)
-    when ``CUDA_VISIBLE_DEVICES`` hides every device or this machine has no NVIDIA driver."""
+    when ``CUDA_VISIBLE_DEVICES`` hides every device or this machine shows none of the drivers
+    of ``DRIVER_PATHS``."""
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     if hidden is not None and hidden.strip() in ("", "-1"):
         return 0
-    if not Path("/proc/driver/nvidia").exists() and not Path("/dev/nvidiactl").exists():
+    if not any(Path(path).exists() for path in DRIVER_PATHS):
         return 0
     import torch  # only where a driver is installed
 
