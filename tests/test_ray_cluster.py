@@ -55,3 +55,51 @@ def test_the_clusters_driver_and_workers_listen_on_ports_the_os_picks():
     (ports,) = [json.loads(line[len("ports "):]) for line in proc.stdout.splitlines() if line.startswith("ports ")]
     assert ports["driver"] and ports["worker"], ports  # each listens on its gRPC port
     assert not [p for listening in ports.values() for p in listening if p in RAY_START_WORKER_PORTS], ports
+
+
+def test_the_heads_ports_are_distinct_even_when_the_os_hands_one_out_again(monkeypatch):
+    """A Ray head refuses to start when two of its ports are equal, and the OS may hand a port it
+    got back out again at once: with a fake OS that hands out the lowest port not bound, as Linux
+    may, the head is still given three distinct ports (each socket stays bound until all are
+    chosen)."""
+    import socket as socket_module
+
+    from fedact_app.cli import flwr, ray_cluster
+
+    bound: set[int] = set()
+
+    class LowestFreePort:
+        def __init__(self, *args):
+            self.port = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+        def bind(self, address):
+            self.port = min(p for p in range(40000, 40010) if p not in bound)
+            bound.add(self.port)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            bound.discard(self.port)
+
+    commands = []
+
+    def no_start(cmd, **kwargs):
+        commands.append(cmd)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(socket_module, "socket", LowestFreePort)
+    monkeypatch.setattr(ray_cluster.subprocess, "Popen", no_start)
+    with pytest.raises(RuntimeError, match="not started"):
+        RayCluster.start(1, None, {})
+    (cmd,) = commands
+    flags = ("--port", "--ray-client-server-port", "--dashboard-agent-listen-port")
+    ports = [cmd[cmd.index(flag) + 1] for flag in flags]
+    assert sorted(ports) == ["40000", "40001", "40002"]
+    assert bound == set() and flwr.free_port() == 40000  # every socket closed again

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedact_app.cli.flwr import LaunchError, console_script, free_port
+from fedact_app.cli.flwr import LaunchError, console_script, free_ports
 from fedact_app.cli.procs import descendants, stop_tree
 
 STARTUP_TIMEOUT = 60.0  # seconds for the head to accept connections
@@ -42,13 +42,13 @@ class RayCluster:
         """Start the head with ``num_cpus`` CPUs (and ``num_gpus``; None: Ray's own detection)."""
         # Ray puts unix sockets under the temp dir; their paths must stay under 108 bytes
         temp_dir = Path(tempfile.mkdtemp(prefix="fr-", dir="/tmp" if os.path.isdir("/tmp") else None))
-        port = free_port()
+        port, client_port, agent_port = free_ports(3)
         cmd = [
             console_script("ray"), "start", "--head", "--block",
             "--node-ip-address", "127.0.0.1",
             "--port", str(port),
-            "--ray-client-server-port", str(free_port()),
-            "--dashboard-agent-listen-port", str(free_port()),
+            "--ray-client-server-port", str(client_port),
+            "--dashboard-agent-listen-port", str(agent_port),
             # workers and drivers bind ports the OS picks: by default `ray start` counts them up from
             # 10002 in every cluster, and two clusters started together gave two drivers one port
             "--min-worker-port", "0", "--max-worker-port", "0",
