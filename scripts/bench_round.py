@@ -36,7 +36,8 @@ they do with the default ``--num-cpus`` (all of them). The same local work takes
 simulated client than in the plain loop when Flower's and Ray's processes share its CPUs: the
 line "client compute, Flower / plain loop" says by how much. The clients' trust-score
 diagnostics are off in the Flower run (``diagnostics.trust_every=0``), so both sides train the
-same; ``bench_diagnostics.py`` measures them.
+same; ``bench_diagnostics.py`` measures them. The plain loop trains as the clients do with the
+run's ``precision``, ``channels_last`` and ``compile_model``.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ from fedact_app.cli.launch import automatic_gpus, run_simulation  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
-from fedact_app.train import (batch_generator, compiled_for_training, cosine_lr, resolve_device,  # noqa: E402
-                              train_steps)
+from fedact_app.train import (batch_generator, compiled_for_training, cosine_lr, memory_format,  # noqa: E402
+                              resolve_device, train_steps)
 from fedact_app.wire import array_record  # noqa: E402
 from gpu_busy import GpuBusy  # noqa: E402  (scripts/)
 
@@ -153,7 +154,7 @@ def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
         raise ValueError(f"bench_round runs the FedACT family {FEDACT_FAMILY}, not {cfg.algorithm.name!r}")
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.dataset).to(device)
+    model = build_model(cfg.model, cfg.dataset).to(device, memory_format=memory_format(cfg.channels_last))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     a = cfg.algorithm
     optimizer = FedACTAdamW([p for _, p in named], lr=a.lr, betas=tuple(a.betas), eps=a.eps,
@@ -181,7 +182,8 @@ def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
                 global_step=(server_round - 1) * cfg.local_steps)
             batches = BatchStream(data[client], cfg.batch_size, cfg.dataset.augment,
                                   batch_generator(cfg.seed, server_round, client, device))
-            stats = train_steps(model, optimizer, batches, cfg.local_steps, train_module=train_module)
+            stats = train_steps(model, optimizer, batches, cfg.local_steps, cfg.precision, cfg.channels_last,
+                                train_module=train_module)
             state = model.state_dict()
             delta = {name: state[name].detach().cpu() - x[name] for name in x}
             v = {name: t.detach().cpu().clone() for (name, _), t in zip(named, optimizer.second_moments())}

@@ -4,7 +4,7 @@
 # a run cut short still leaves what it did.
 #
 #   scripts/gpu_checks.sh optim server         # (also with no step named) at most 6.5 minutes: its limits' sum
-#   scripts/gpu_checks.sh round                # at most 5; round-compiled, round-2-actors, units, deploy: 5 each
+#   scripts/gpu_checks.sh round                # at most 5; every other step: 5 each
 #
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
 #   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA
@@ -12,6 +12,7 @@
 #   round           bench_round.py --paper: the seed's round, GPU busy share, 300-round projection
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
+#   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
 #   units           the unit tests (not the Flower runs) with the GPU visible, and that pytest exits
 #   deploy          bench_deploy.py: 4 SuperNodes on the GPU, warm workers against Flower's floor
 #
@@ -53,12 +54,15 @@ for name in "${@:-optim server}"; do
         round) step bench-round-paper 300 python3 scripts/bench_round.py --paper ;;
         round-compiled)
             step bench-round-compiled 300 python3 scripts/bench_round.py --paper --overrides "compile_model=reduce-overhead" ;;
+        round-bf16)
+            step bench-round-bf16 300 python3 scripts/bench_round.py --paper \
+                --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
         units) step units 300 python3 -m pytest -n 4 -p no:cacheprovider -q -m "not e2e" ;;
         deploy)
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
                 --modes floor,warm,cold ;;
-        *) echo "unknown step $one: allowed optim server round round-compiled round-2-actors units deploy" >&2; exit 2 ;;
+        *) echo "unknown step $one: allowed optim server round round-compiled round-bf16 round-2-actors units deploy" >&2; exit 2 ;;
         esac
     done
 done
