@@ -28,15 +28,13 @@ replies are decoded onto it and every piece runs there (the timings wait for the
 
 The pieces alternate within every repeat, so a slower or busier stretch of the machine hits them
 alike; each figure is the median of ``--repeats`` with its range, and the ratio is to the
-floor's median of the same run. The header names the machine (``lscpu``'s model name), the
+floor's median of the same run. The header names the machine (bench_run.py's ``machine()``), the
 torch threads and the device.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +52,7 @@ from fedact_app.diagnostics import vector_norms, vectors_direction_consistency  
 from fedact_app.packing import as_vector  # noqa: E402
 from fedact_app.replies import decode_update, moment_outliers, update_ratios  # noqa: E402
 from bench_aggregation import fedact_state, updates_of  # noqa: E402  (scripts/)
+from bench_run import machine  # noqa: E402  (scripts/)
 from interleaved import interleaved, print_medians  # noqa: E402  (scripts/)
 from fedact_app.strategy import AlgorithmStrategy  # noqa: E402
 from fedact_app.train import resolve_device  # noqa: E402
@@ -70,18 +69,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="the server's device (server_device): cpu | cuda | auto")
     parser.add_argument("--quick", action="store_true", help="cnn_small on digits, 3 clients, 2 repeats")
     return parser.parse_args(argv)
-
-
-def machine() -> str:
-    """The CPU's model name (``lscpu``), or the platform's processor string."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or platform.machine()
 
 
 def replies_of(state: dict, trainable: list[str], clients: int) -> list[RecordDict]:

@@ -147,6 +147,12 @@ def drive(opt, params, ref, rounds):
                 ref.step(step_grads)
 
 
+def set_grads(params, grads):
+    """Give each parameter a copy of its gradient, as a backward pass would."""
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
 def assert_matches(params, ref, rtol=1e-12, atol=1e-12):
     for p, x in zip(params, ref.x):
         torch.testing.assert_close(p.detach().reshape(-1).double(), x, rtol=rtol, atol=atol)
@@ -258,8 +264,7 @@ def test_rounds_reset_m_copy_v_and_use_k_and_t():
             assert torch.equal(v, vb) and v is not vb and v.data_ptr() != vb.data_ptr()
         ref.begin_round(v_bar, delta_g, gs)
         for step_grads in grads:
-            for p, g in zip(params, step_grads):
-                p.grad = g.clone()
+            set_grads(params, step_grads)
             opt.step()
             ref.step(step_grads)
         assert (opt.local_step, opt.global_step) == (2, gs + 2)
@@ -305,8 +310,7 @@ def test_ties_select_exactly_floor_tau_d_lowest_index_first(trust_scope, path, s
     ref.begin_round(v_bar, delta_g, gs)
     for step_grads in grads:
         x0 = [p.detach().reshape(-1).clone() for p in params]
-        for p, g in zip(params, step_grads):
-            p.grad = g.clone()
+        set_grads(params, step_grads)
         opt.step()
         ref.step(step_grads)
         assert_matches(params, ref)
@@ -500,8 +504,7 @@ def test_state_dict_round_trip_continues_identically():
 
     def run(o, ps, step_grads):
         for sg in step_grads:
-            for p, g in zip(ps, sg):
-                p.grad = g.clone()
+            set_grads(ps, sg)
             o.step()
 
     run(opt, params, grads[:2])
@@ -624,8 +627,7 @@ def test_assigned_state_tensors_are_honoured_at_the_next_step():
 
     def steps(step_grads):
         for sg in step_grads:
-            for p, g in zip(params, sg):
-                p.grad = g.clone()
+            set_grads(params, sg)
             opt.step()
             ref.step(sg)
 
@@ -655,8 +657,7 @@ def test_state_dict_of_an_older_version_without_the_flags_loads_and_steps():
     opt = FedACTAdamW(params, **BASE)
     ((v_bar, delta_g, gs, grads),) = make_rounds(params, n_rounds=1, steps=3)
     opt.begin_round(v_bar, delta_g, gs)
-    for p, g in zip(params, grads[0]):
-        p.grad = g.clone()
+    set_grads(params, grads[0])
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
     for group in saved["param_groups"]:
@@ -668,8 +669,7 @@ def test_state_dict_of_an_older_version_without_the_flags_loads_and_steps():
     assert [restored.param_groups[0][k] for k in ("foreach", "fused", "compile")] == [None, None, False]
     for sg in grads[1:]:
         for ps, o in ((params, opt), (clone, restored)):
-            for p, g in zip(ps, sg):
-                p.grad = g.clone()
+            set_grads(ps, sg)
             o.step()
     for a, b in zip(params, clone):
         assert torch.equal(a, b)
@@ -796,8 +796,7 @@ def test_device_selection_scratch_is_the_direction_buffer_when_dtypes_agree(seco
         opt.begin_round(v_bar, delta_g, gs)
         ref.begin_round(v_bar, delta_g, gs)
         for step_grads in grads:
-            for p, g in zip(params, step_grads):
-                p.grad = g.clone()
+            set_grads(params, step_grads)
             opt.step()
             ref.step(step_grads)
             ((selector, _),) = opt._workspace.selections(opt.param_groups)
@@ -994,8 +993,7 @@ def test_tensor_scope_runs_at_most_one_and_a_half_times_the_operations_of_the_gl
         ((v_bar, delta_g, gs, grads),) = make_rounds(params, n_rounds=1, steps=2)
         opt.begin_round(v_bar, delta_g, gs)
         for step_grads in grads:
-            for p, g in zip(params, step_grads):
-                p.grad = g.clone()
+            set_grads(params, step_grads)
             counts[trust_scope] = aten_operations(opt.step)  # the second step: layout made
     assert counts["tensor"] <= 1.5 * counts["global"], counts
 
