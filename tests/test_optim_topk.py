@@ -48,14 +48,19 @@ def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
         assert torch.equal(_host_and_device_top_k(s.clone(), k, on_host, monkeypatch), _stable_top_k(s, k)), tau
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-radix"])
+@pytest.mark.parametrize("on_host, lanes", [(True, None), (False, None), (False, 4)],
+                         ids=["numpy", "device-radix", "device-radix-4-lanes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_segmented_selection_is_exact_in_every_segment(on_host, dtype, monkeypatch):
+def test_segmented_selection_is_exact_in_every_segment(on_host, lanes, dtype, monkeypatch):
     """One selection over segments (as trust_scope="tensor" cuts the flat scores): every segment
     j gets exactly its k_j largest, ties to its lowest index, as a stable sort of that segment
-    alone; empty segments, k = 0 and k = size, ties (signed zeros included) and tiny values."""
+    alone; empty segments, k = 0 and k = size, ties (signed zeros included) and tiny values.
+    The radix select also with 4 copies of every bin (large selections have them; here most
+    sizes leave scores beyond the last whole row of lanes)."""
     if not on_host:
         monkeypatch.setattr(topk, "np", None)
+    if lanes is not None:
+        monkeypatch.setattr(topk, "_lanes", lambda d, n_seg: lanes)
     gen = torch.Generator().manual_seed(2)
     for trial in range(60):
         sizes = torch.randint(0, 40, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
@@ -72,6 +77,17 @@ def test_segmented_selection_is_exact_in_every_segment(on_host, dtype, monkeypat
         topk.TopKSelector(top, bounds).indicator_(ks)
         expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
         assert torch.equal(top, expected), (trial, sizes, ks)
+
+
+def test_lanes_are_powers_of_two_within_the_counter_budget():
+    """The radix select's copies of every bin: 256 for one segment of a ResNet-18 or of 2^22
+    scores, as many as 2^18 counters allow for several segments, one for small selections."""
+    assert topk._lanes(11_220_132, 1) == 256
+    assert topk._lanes((1 << 22) + 1000, 1) == 256
+    assert topk._lanes(11_220_132, 62) == 4      # 2^18 // (768 * 62) = 5
+    assert topk._lanes(2_710_948, 80) == 2       # 169,434 // (768 * 80) = 2
+    assert topk._lanes((1 << 18) + 3, 1) == 16   # 16,384 // 768 = 21
+    assert topk._lanes(1000, 1) == topk._lanes(1 << 30, 400) == 1
 
 
 def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
