@@ -6,6 +6,10 @@
 #   scripts/gpu_checks.sh optim server         # (also with no step named) at most 6.5 minutes: its limits' sum
 #   scripts/gpu_checks.sh round                # at most 5; every other step: 5 each
 #
+# On an NVIDIA H100 (16 cores) optim took 55 s, server 30 s, round 136 s, round-bf16 157 s, and units
+# more than 230 s. The device tool brings back at most 8 files: at most 6 logs a run (optim and server
+# write two each) beside summary.txt and machine.txt.
+#
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
 #   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA
 #   server          the server round's tests (their cuda case), then bench_server.py on CUDA
@@ -58,7 +62,8 @@ for name in "${@:-optim server}"; do
             step bench-round-bf16 300 python3 scripts/bench_round.py --paper \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
-        units) step units 300 python3 -m pytest -n 4 -p no:cacheprovider -q -m "not e2e" ;;
+        units)  # -v: every test's outcome as it ends, so a run cut short still names its failures
+            step units 300 python3 -m pytest -n 4 -p no:cacheprovider -v -rfE -m "not e2e" ;;
         deploy)
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
                 --modes floor,warm,cold ;;

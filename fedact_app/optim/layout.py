@@ -24,8 +24,9 @@ Nothing else is d-sized. The host selection (CPU, numpy) works in chunks, with t
 per thread. The device selection (CUDA, or CPU without numpy) needs an integer scratch of d
 entries for its histogram codes: it uses the flat direction buffer of the device's scored runs,
 whose u is computed again from m, v and Delta_G after the selection (three passes; kernels.py),
-or, when those runs' dtypes differ from the scores', a buffer of its own (4 d more). All of it is
-allocated once per layout, and a step after the first allocates nothing d-sized.
+or, when those runs' dtypes differ from the scores', a buffer of its own (4 d more), and its
+histogram counters (at most 2^18 integers, topk._lanes). All of it is allocated once per
+layout, and a step after the first allocates nothing d-sized.
 """
 
 from __future__ import annotations
