@@ -76,13 +76,13 @@ def test_bench_run_quick_prints_the_ratios_the_floor_and_one_accuracy():
 
 
 def test_bench_diagnostics_quick_prints_the_ratio_to_diagnostics_off():
-    out = run_script("bench_diagnostics.py", "--quick", timeout=180)
+    out = run_script("bench_diagnostics.py", "--quick", "--device", "cpu", timeout=180)
     assert re.search(r"^off \(trust_every=0\) +\d+\.\d+ +1\.000$", out, re.M), out
     assert re.search(r"^trust_every=10 +\d+\.\d+ +\d+\.\d+$", out, re.M), out
 
 
 def test_bench_cold_start_prints_every_phase_with_and_without_the_partition_cache():
-    out = run_script("bench_cold_start.py", "--repeats", "2", "--overrides", "local_steps=2", timeout=240)
+    out = run_script("bench_cold_start.py", "--repeats", "2", "--overrides", "local_steps=2 device=cpu", timeout=240)
     for phase in ("imports", "trainer", "data", "round", "warm round"):
         assert re.search(rf"^{phase} +\d+\.\d+ +\d+\.\d+$", out, re.M), (phase, out)
     assert re.search(r"^cold round \(imports to reply\): \d+\.\d+ s with an empty cache, \d+\.\d+ s with it "

@@ -251,7 +251,7 @@ import json, sys
 from fedact_app.client_trainer import ClientTrainer
 from fedact_app.config import compose
 from fedact_app.server_app import CentralEvaluator, initial_model
-cfg = compose("num_clients=3 local_steps=2 partition.alpha=0.5")
+cfg = compose("num_clients=3 local_steps=2 partition.alpha=0.5 device=cpu")
 task, model, state, _ = initial_model(cfg)
 CentralEvaluator(cfg, task, model)(cfg.num_rounds, state)
 ClientTrainer(cfg).train_round(state, {}, partition_id=1, num_partitions=3, server_round=1, lr=1e-3,
