@@ -7,8 +7,7 @@
 #   scripts/gpu_checks.sh round                # at most 5; every other step: 5 each
 #
 # On an NVIDIA H100 (16 cores) optim took 55 s, server 30 s, round 136 s, round-bf16 157 s, and units
-# more than 230 s. The device tool brings back at most 8 files: at most 6 logs a run (optim and server
-# write two each) beside summary.txt and machine.txt.
+# more than 230 s. Each step writes one log (optim and server two), beside summary.txt and machine.txt.
 #
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
 #   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA

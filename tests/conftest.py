@@ -36,9 +36,9 @@ for _key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "FLWR_DISABLE_UPDATE_CHECK
     os.environ[_key] = "1"
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
-# torch.compile in the tests (and in the processes they start) compiles in-process: before torch
-# 2.13, inductor's pool of compile workers can keep a process from exiting for minutes after a
-# cold compile (pytorch/pytorch#162199; one worker per core, so a GPU machine's 16 cores).
+# torch.compile in the tests (and in the processes they start) compiles in-process: inductor's
+# pool of compile workers (one per core) has been reported to keep a process from exiting for
+# minutes after a cold compile (pytorch/pytorch#162199).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Partitions drawn by the tests (and by the Flower runs they start) go to a folder of this
 # session, not to ~/.cache/fedact.

@@ -80,8 +80,8 @@ def test_segmented_selection_is_exact_in_every_segment(on_host, lanes, dtype, mo
 
 
 def test_lanes_are_powers_of_two_within_the_counter_budget():
-    """The radix select's copies of every bin: 256 for one segment of a ResNet-18 or of 2^22
-    scores, as many as 2^18 counters allow for several segments, one for small selections."""
+    """The radix select's copies of every bin: the largest power of two within 2^18 counters
+    (768 a copy and segment) and one counter per 16 scores; one for small selections."""
     assert topk._lanes(11_220_132, 1) == 256
     assert topk._lanes((1 << 22) + 1000, 1) == 256
     assert topk._lanes(11_220_132, 62) == 4      # 2^18 // (768 * 62) = 5

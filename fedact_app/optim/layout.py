@@ -25,8 +25,9 @@ per thread. The device selection (CUDA, or CPU without numpy) needs an integer s
 entries for its histogram codes: it uses the flat direction buffer of the device's scored runs,
 whose u is computed again from m, v and Delta_G after the selection (three passes; kernels.py),
 or, when those runs' dtypes differ from the scores', a buffer of its own (4 d more), and its
-histogram counters (at most 2^18 integers, topk._lanes). All of it is allocated once per
-layout, and a step after the first allocates nothing d-sized.
+histogram counters (at most 2^18 integers, or 768 a segment for more than 341 segments;
+topk._lanes). All of it is allocated once per layout, and a step after the first allocates
+nothing d-sized.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ of segments:
   The work runs on torch's threads (:func:`host_map`); the scratch is one chunk per thread;
 - elsewhere (CUDA; CPU without numpy), :class:`_RadixSelect`: a radix select over the
   bit patterns of the scores, one byte a pass, with one histogram per segment, then the tie-break
-  by a running count: about 130 tensor operations for any number of segments, one integer scratch
+  by a running count: about 140 tensor operations for any number of segments, one integer scratch
   of d entries, nothing that waits for the device and no d-sized temporary.
 """
 
@@ -44,7 +44,7 @@ _BRACKET_MIN = 1 << 21  # below this many scores one np.partition is as fast as 
 # 1 % of the steps (a retry twice as wide then runs), against a narrower band to extract every step
 _BRACKET_Z = 2.5
 _HOST_CHUNK = 1 << 19  # scores per task: the passes over one chunk stay in cache
-_LANE_COUNTERS = 1 << 18  # the device engine's histogram counters at most (1 MiB for float32 scores)
+_LANE_COUNTERS = 1 << 18  # the radix select's counters with lanes, at most (1 MiB of int32 for float32 scores)
 _TIE_CHUNK = 1 << 16  # scan length when looking for where a straddling tie is cut (its index list: 8x)
 
 
@@ -303,8 +303,8 @@ class _RadixSelect:
     first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
 
     Memory: the scratch (4 bytes a float32 score), the scores' own buffer, the counters (at most
-    ``_LANE_COUNTERS`` or ``768 x segments`` integers) and tensors of a few entries per segment;
-    no operation makes a d-sized temporary on CUDA.
+    ``max(_LANE_COUNTERS, 768 x segments)`` integers of the keys' width) and tensors of a few
+    entries per segment; no operation makes a d-sized temporary on CUDA.
     ``torch.topk`` is not used: its outputs hold ``12 min(k, d-k+1)`` bytes (about 6 d at
     tau = 0.5), its CUDA launches happen once per segment, and the tie-break it needs cost a
     d-sized cast in ``torch.cumsum``.
@@ -329,9 +329,11 @@ class _RadixSelect:
         starts = [(b, 1 if j == 0 else 3) for j, b in enumerate(bounds[:-1]) if b < scores.numel()]
         self.code_at = _on_device([b for b, _ in starts], torch.int64, device)
         self.code_step = _on_device([c for _, c in starts], self.key_dtype, device)
-        seg = torch.arange(n_seg, device=device)
-        self.bin_candidates = (256 * (3 * seg + 1)).to(self.key_dtype)  # first bin of each candidate block
-        self.bin_next = (256 * (3 * seg + 3)).to(self.key_dtype)        # first bin of the next segment
+        # in the codes' units (a bin's first lane): the last bin of each candidate block, and the
+        # first bin of the next segment
+        seg, width = torch.arange(n_seg, device=device), 256 * self.lanes
+        self.bin_top = (width * (3 * seg + 2) - self.lanes).to(self.key_dtype)
+        self.bin_next = (width * (3 * seg + 3)).to(self.key_dtype)
         self._ks: tuple[tuple[int, ...], Optional[Tensor]] = ((), None)
 
     def indicator_(self, ks: Sequence[int]) -> None:
@@ -351,7 +353,8 @@ class _RadixSelect:
             codes.view(torch.uint8)[::self.bytes].copy_(self.keys.view(torch.uint8)[byte::self.bytes])
             if lanes > 1:  # bin * lanes + position % lanes; the last d % lanes scores take lane 0
                 torch.add(self.lane, rows, alpha=lanes, out=rows)
-                codes[self.laned:].mul_(lanes)
+                if self.laned < codes.numel():
+                    codes[self.laned:].mul_(lanes)
             self.counts.zero_()
             self.counts.index_add_(0, codes, self.one)
             need, ties, boundaries = self._pass(need)
@@ -373,14 +376,15 @@ class _RadixSelect:
         byte is above the selected one, how many candidates carry the selected byte, and the
         boundaries that map every bin to its new code (above: 3j + 2, selected byte: 3j + 1,
         below: 3j), in the codes' units: a bin's first lane."""
-        hist = self.counts.view(self.n_seg, 3, 256, self.lanes)[:, 1].sum(2).flip(1)  # candidates, byte 255 first
+        lanes = self.counts.view(self.n_seg, 3, 256, self.lanes)[:, 1]  # the candidates' bins
+        hist = lanes.sum(2).flip(1)                                 # their counts, byte 255 first
         at_least = hist.cumsum(1)                                   # candidates with byte >= 255 - i
         short = at_least < need.unsqueeze(1)                        # a prefix of each row
         above = (hist * short).sum(1)
         index = short.sum(1, keepdim=True)                          # 255 - the selected byte
         ties = hist.gather(1, index).squeeze(1)
-        selected = (self.bin_candidates + (255 - index.squeeze(1)).to(self.key_dtype)) * self.lanes
-        boundaries = torch.stack((selected, selected + self.lanes, self.bin_next * self.lanes), 1).view(-1)
+        selected = self.bin_top - index.squeeze(1).to(self.key_dtype) * self.lanes
+        boundaries = torch.stack((selected, selected + self.lanes, self.bin_next), 1).view(-1)
         return need - above, ties, boundaries
 
     def _tie_break(self, need: Tensor, ties: Tensor) -> None:
@@ -403,10 +407,11 @@ class _RadixSelect:
 
 
 def _lanes(d: int, n_seg: int) -> int:
-    """Copies of every bin, a power of two up to 256: as many as ``_LANE_COUNTERS`` counters allow,
-    and at most one counter per 16 scores (small selections keep one copy)."""
+    """Copies of every bin: the largest power of two whose counters stay within
+    ``_LANE_COUNTERS`` and one per 16 scores (a small selection has too few scores to contend,
+    and keeps one copy); at least 1, so a selection of many segments keeps 768 counters each."""
     lanes = max(1, min(_LANE_COUNTERS, d // 16) // (3 * 256 * n_seg))
-    return min(256, 1 << (lanes.bit_length() - 1))
+    return 1 << (lanes.bit_length() - 1)
 
 
 def _on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
