@@ -30,9 +30,10 @@ def test_bench_optimizer_quick_prints_its_table():
 @pytest.mark.e2e
 def test_bench_round_quick_prints_the_split_and_the_ratio():
     out = run_script("bench_round.py", "--quick", timeout=420)
+    # the rest is what the round leaves after parts measured apart from it: it can come out negative
     for row in ("Flower simulation round", "local compute", "(de)serialization", "aggregation",
                 "idle / overhead", "plain PyTorch loop round"):
-        assert re.search(rf"^ *{re.escape(row)}.* +\d+\.\d+", out, re.M), (row, out)
+        assert re.search(rf"^ *{re.escape(row)}.* +-?\d+\.\d+", out, re.M), (row, out)
     assert re.search(r"^ratio Flower / plain loop: \d+\.\d+$", out, re.M), out
     assert re.search(r"^round 1 started \d+\.\d s after the launch; this 2-round run took \d+\.\d s; "
                      r"a 300-round run at this round: \d+ s", out, re.M), out
