@@ -324,7 +324,10 @@ class _RadixSelect:
         self.counts = torch.empty(3 * n_seg * 256 * self.lanes, dtype=self.key_dtype, device=device)
         self.one = torch.ones((), dtype=self.key_dtype, device=device).expand(scores.numel())
         self.lane = torch.arange(self.lanes, dtype=self.key_dtype, device=device)
-        self.laned = scores.numel() - scores.numel() % self.lanes  # the scores whose lane is added
+        # the codes in whole rows of lanes (their lane is added), and the last d % lanes (lane 0)
+        laned = scores.numel() - scores.numel() % self.lanes
+        self.rows = self.scratch[:laned].view(-1, self.lanes)
+        self.tail = self.scratch[laned:] if laned < scores.numel() else None
         # Codes 3j + 1 for every score: 1 at the first score, +3 where each later segment starts.
         starts = [(b, 1 if j == 0 else 3) for j, b in enumerate(bounds[:-1]) if b < scores.numel()]
         self.code_at = _on_device([b for b, _ in starts], torch.int64, device)
@@ -347,14 +350,14 @@ class _RadixSelect:
         codes.zero_()
         codes.index_add_(0, self.code_at, self.code_step)
         codes.cumsum_(0)
-        lanes, rows = self.lanes, codes[:self.laned].view(-1, self.lanes)
+        lanes = self.lanes
         for byte in reversed(range(self.bytes)):
             codes.mul_(256)  # then the byte into the code's lowest byte: a copy between byte views
             codes.view(torch.uint8)[::self.bytes].copy_(self.keys.view(torch.uint8)[byte::self.bytes])
-            if lanes > 1:  # bin * lanes + position % lanes; the last d % lanes scores take lane 0
-                torch.add(self.lane, rows, alpha=lanes, out=rows)
-                if self.laned < codes.numel():
-                    codes[self.laned:].mul_(lanes)
+            if lanes > 1:  # bin * lanes + position % lanes
+                torch.add(self.lane, self.rows, alpha=lanes, out=self.rows)
+                if self.tail is not None:
+                    self.tail.mul_(lanes)
             self.counts.zero_()
             self.counts.index_add_(0, codes, self.one)
             need, ties, boundaries = self._pass(need)
@@ -376,8 +379,8 @@ class _RadixSelect:
         byte is above the selected one, how many candidates carry the selected byte, and the
         boundaries that map every bin to its new code (above: 3j + 2, selected byte: 3j + 1,
         below: 3j), in the codes' units: a bin's first lane."""
-        lanes = self.counts.view(self.n_seg, 3, 256, self.lanes)[:, 1]  # the candidates' bins
-        hist = lanes.sum(2).flip(1)                                 # their counts, byte 255 first
+        by_lane = self.counts.view(self.n_seg, 3, 256, self.lanes)[:, 1]  # the candidates' bins
+        hist = by_lane.sum(2).flip(1)                               # their counts, byte 255 first
         at_least = hist.cumsum(1)                                   # candidates with byte >= 255 - i
         short = at_least < need.unsqueeze(1)                        # a prefix of each row
         above = (hist * short).sum(1)
