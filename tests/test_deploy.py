@@ -144,6 +144,23 @@ def _flower_flags(command: str) -> set[str]:
         return set(re.findall(r"--[a-z][a-z-]*[a-z]", text))
 
 
+def test_fab_carries_the_package_and_its_configs_and_nothing_else():
+    """The FAB that ``flwr run .`` builds (pyproject.toml's ``fab-include``): every module of the
+    package and every Hydra config, and no scripts, docs or tests, which a SuperNode would unpack
+    and hash again for every message."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(ROOT))).namelist())
+    assert {name.split("/")[0] for name in names} == {"fedact_app", "conf", "pyproject.toml", ".info"}
+    needed = {str(path.relative_to(ROOT)) for folder, pattern in (("fedact_app", "*.py"), ("conf", "*.yaml"))
+              for path in (ROOT / folder).rglob(pattern) if "__pycache__" not in path.parts}
+    assert "fedact_app/client_app.py" in needed and "conf/config.yaml" in needed
+    assert needed <= names, f"missing from the FAB: {sorted(needed - names)}"
+
+
 def test_deploy_guide_uses_only_flags_flower_has():
     doc = (ROOT / "docs" / "DEPLOY.md").read_text()
     commands = {"flower-superlink": set(), "flower-supernode": set()}
