@@ -561,9 +561,11 @@ def test_bad_data_path_node_config_fails_clearly(tmp_path):
 
 
 # ------------------------------------------------------------------ warm workers (fedact_app.node_worker)
-# SCAFFOLD: each client's c_i lives in its Context.state, which goes to the worker and back
+# SCAFFOLD: each client's c_i lives in its Context.state, which goes to the worker and back.
+# device=cpu: the runs are compared bit for bit, which holds on the CPU (a GPU's convolutions
+# may add in another order from one process to the next).
 WORKER_RUN = ("algorithm=scaffold num_clients=2 num_rounds=2 min_train_nodes=2 fraction_train=1.0 "
-              "local_steps=3 batch_size=16 output_dir={out}")
+              "local_steps=3 batch_size=16 device=cpu output_dir={out}")
 
 
 def _results(output: Path) -> tuple[list[dict], dict]:
