@@ -35,15 +35,24 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")
 
 
 def attack_app(folder: Path, attack: str) -> Path:
-    """An app folder whose ClientApp is scripts/attack_client.py with ``ATTACK = attack``: the
-    project's pyproject.toml (its clientapp replaced) and conf/."""
+    """An app folder whose ClientApp is scripts/attack_client.py with ``ATTACK = attack``."""
     if attack not in ATTACKS:
         raise ValueError(f"unknown attack {attack!r}: allowed {', '.join(ATTACKS)}")
+    client = (APP_DIR / "scripts" / "attack_client.py").read_text()
+    return app_with_client(folder, "attack_client", client.replace('ATTACK = "scale"', f'ATTACK = "{attack}"', 1))
+
+
+def app_with_client(folder: Path, module: str, source: str) -> Path:
+    """An app folder (made here) whose ClientApp is ``module:app``, written from ``source``: the
+    project's pyproject.toml with its clientapp and its FAB's files (``fab-include``) replaced, the
+    module, and conf/. The ServerApp and the ClientApp's own imports come from the installed
+    ``fedact_app``."""
     folder.mkdir(parents=True)
     pyproject = (APP_DIR / "pyproject.toml").read_text()
-    (folder / "pyproject.toml").write_text(re.sub(r'clientapp = "[^"]+"', 'clientapp = "attack_client:app"', pyproject))
-    client = (APP_DIR / "scripts" / "attack_client.py").read_text()
-    (folder / "attack_client.py").write_text(client.replace('ATTACK = "scale"', f'ATTACK = "{attack}"', 1))
+    pyproject = re.sub(r'clientapp = "[^"]+"', f'clientapp = "{module}:app"', pyproject)
+    pyproject = re.sub(r"fab-include = \[[^\]]*\]", f'fab-include = ["/{module}.py", "conf/**/*.yaml"]', pyproject)
+    (folder / "pyproject.toml").write_text(pyproject)
+    (folder / f"{module}.py").write_text(source)
     shutil.copytree(APP_DIR / "conf", folder / "conf")
     return folder
 

@@ -161,6 +161,23 @@ def test_fab_carries_the_package_and_its_configs_and_nothing_else():
     assert needed <= names, f"missing from the FAB: {sorted(needed - names)}"
 
 
+def test_an_app_folder_with_its_own_clientapp_ships_that_module_and_the_configs(tmp_path):
+    """scripts/attack.py's ``app_with_client`` (the attack and forged-reply runs): its FAB holds
+    its ClientApp module and conf/, under pyproject.toml's own ``fab-include`` rewritten for it."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from attack import app_with_client
+
+    folder = app_with_client(tmp_path / "app", "own_client", "from fedact_app.client_app import app\n")
+    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(folder))).namelist())
+    assert {"own_client.py", "conf/config.yaml"} <= names
+    assert 'clientapp = "own_client:app"' in (folder / "pyproject.toml").read_text()
+
+
 def test_deploy_guide_uses_only_flags_flower_has():
     doc = (ROOT / "docs" / "DEPLOY.md").read_text()
     commands = {"flower-superlink": set(), "flower-supernode": set()}

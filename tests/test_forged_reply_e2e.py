@@ -9,8 +9,7 @@ whole aggregate)."""
 
 import json
 import math
-import re
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,9 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.timeout(900)
 APP_DIR = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(APP_DIR / "scripts"))
+from attack import app_with_client  # noqa: E402
+
 RUN = ("num_clients=3 fraction_train=1.0 min_train_nodes=2 num_rounds=3 local_steps=10 device=cpu "
        "algorithm.lr=3e-3")
 
@@ -42,14 +44,8 @@ def train(msg, context):
 
 
 def forging_app(folder: Path, key: str, value: float) -> Path:
-    """A copy of this app's pyproject.toml whose ClientApp is ``forging_client:app``."""
-    folder.mkdir()
-    pyproject = (APP_DIR / "pyproject.toml").read_text()
-    pyproject = re.sub(r'clientapp = "[^"]+"', 'clientapp = "forging_client:app"', pyproject)
-    (folder / "pyproject.toml").write_text(pyproject)
-    (folder / "forging_client.py").write_text(FORGING_CLIENT.format(key=key, value=value))
-    shutil.copytree(APP_DIR / "conf", folder / "conf")
-    return folder
+    """An app folder whose ClientApp is ``forging_client:app`` (``FORGING_CLIENT``)."""
+    return app_with_client(folder, "forging_client", FORGING_CLIENT.format(key=key, value=value))
 
 
 @pytest.mark.e2e
