@@ -15,7 +15,10 @@ down again; the cluster's start is not timed. The modes:
   imports torch, builds the task and trains, for every message;
 - **floor**: ``scripts/flower_floor``, a Flower app whose ClientApp imports Flower and NumPy only
   and answers at once with arrays of the app's reply shapes, on the same cluster set-up: the
-  seconds a round costs before any app does anything;
+  seconds a round costs before any app does anything. Its arrays are zeros, and Flower sends
+  equal arrays once (content-addressed objects), so its messages are fewer objects than the app's;
+- **floor-distinct**: the floor with every array of every message of its own content
+  (``distinct-arrays``): as many objects as the app's messages;
 - **simulation**: ``python -m fedact_app.cli.launch``'s run of the same config, each client with
   as many CPUs (so torch threads) as ``local_cluster.py`` gives each SuperNode.
 
@@ -46,18 +49,18 @@ import local_cluster as lc  # noqa: E402
 APP_DIR = SCRIPTS.parent
 DEFAULT = "num_clients=4 fraction_train=1.0 min_train_nodes=4 num_rounds=5 local_steps=10"
 QUICK = "num_clients=2 fraction_train=1.0 min_train_nodes=2 num_rounds=2 local_steps=2"
-MODES = ("floor", "warm", "cold", "simulation")
+MODES = ("floor", "floor-distinct", "warm", "cold", "simulation")
 WARM_OFF = "partition-id={i} num-partitions={n} warm-worker=false"
 
 
 def deployed(mode: str, overrides: str, plain: dict, work: Path, cuda_devices: list[str]) -> dict:
-    """One run of ``mode`` ("warm", "cold" or "floor") on a fresh local cluster."""
+    """One run of ``mode`` ("warm", "cold", "floor" or "floor-distinct") on a fresh local cluster."""
     template = WARM_OFF if mode == "cold" else lc.DEFAULT_TEMPLATE
     cluster = lc.up(work / "cluster", plain["num_clients"], node_config_template=template,
                     cuda_devices=cuda_devices, cwd=work, env=bench_run.ENV, timeout=180, quiet=True)
     try:
-        if mode == "floor":
-            config = bench_run.floor_config(plain, work / "floor.json")
+        if mode.startswith("floor"):
+            config = bench_run.floor_config(plain, work / "floor.json", distinct_arrays=mode == "floor-distinct")
             run_id = lc.submit(cluster, SCRIPTS / "flower_floor", run_config=config)
         else:
             run_id = lc.submit(cluster, APP_DIR, overrides=f"{overrides} output_dir={work / 'out'}")
@@ -68,7 +71,7 @@ def deployed(mode: str, overrides: str, plain: dict, work: Path, cuda_devices: l
         lc.down(cluster, quiet=True)
     if state != "finished:completed":
         raise RuntimeError(f"the {mode} deployment run ended {state} {details}:\n{log[-3000:]}")
-    if mode == "floor":
+    if mode.startswith("floor"):
         record = json.loads((work / "floor.json").read_text())
         if not record["answered"]:
             raise RuntimeError(f"the floor run had messages without a reply:\n{log[-3000:]}")
@@ -126,13 +129,15 @@ def report(overrides: str, plain: dict, results: dict[str, list[dict]]) -> list[
                      f"{spread([r['rounds'][0] for r in records], '{:.2f}')} | "
                      f"{spread([r['wall'] for r in records])} |")
     lines.append(f"| plain loop (compute) | {plain_round:.2f} | {plain['rounds'][0]:.2f} | |")
-    if "floor" in results:
-        floor = statistics.median(median_round(r) for r in results["floor"])
-        floor1 = statistics.median(r["rounds"][0] for r in results["floor"])
-        lines += ["", f"floor + plain: {floor + plain_round:.2f} s a round"]
+    for base in ("floor", "floor-distinct"):
+        if base not in results:
+            continue
+        floor = statistics.median(median_round(r) for r in results[base])
+        floor1 = statistics.median(r["rounds"][0] for r in results[base])
+        lines += ["", f"{base} + plain: {floor + plain_round:.2f} s a round"]
         for mode in ("warm", "cold"):
             if mode in results:
-                lines.append(f"{mode} - floor: median round "
+                lines.append(f"{mode} - {base}: median round "
                              f"{statistics.median(median_round(r) for r in results[mode]) - floor:+.2f} s, round 1 "
                              f"{statistics.median(r['rounds'][0] for r in results[mode]) - floor1:+.2f} s")
     if "warm" in results:

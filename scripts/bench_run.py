@@ -175,12 +175,12 @@ def app_alone(overrides: str, output: Path, num_cpus: int) -> dict:
 
 
 def floor_config(plain: dict, output: Path, clients_per_round: int | None = None, phase_jitter: float = 0.0,
-                 num_rounds: int | None = None) -> dict:
+                 num_rounds: int | None = None, distinct_arrays: bool = False) -> dict:
     """The floor app's run config (scripts/flower_floor): the plain run's nodes, clients per round,
     rounds and message shapes unless given; its rounds' seconds go to ``output``."""
     return {"num-rounds": num_rounds or plain["num_rounds"], "num-nodes": plain["num_clients"],
             "clients-per-round": clients_per_round or plain["clients_per_round"], "seed": 0,
-            "phase-jitter": float(phase_jitter),
+            "phase-jitter": float(phase_jitter), "distinct-arrays": distinct_arrays,
             "shapes-out": json.dumps(plain["shapes_out"]), "shapes-back": json.dumps(plain["shapes_back"]),
             "output": str(output)}
 

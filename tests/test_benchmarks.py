@@ -136,10 +136,34 @@ def test_bench_run_floor_rows_put_the_plain_loops_rounds_in_place_of_the_floors(
 
 @pytest.mark.e2e
 def test_bench_deploy_quick_prints_each_modes_rounds_and_the_gap_to_the_floor():
-    out = run_script("bench_deploy.py", "--quick", "--modes", "floor,warm", timeout=600)
-    for mode in ("floor", "warm"):
+    out = run_script("bench_deploy.py", "--quick", "--modes", "floor,floor-distinct,warm", timeout=600)
+    for mode in ("floor", "floor-distinct", "warm"):
         assert re.search(rf"^\| {mode} \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d \|$", out, re.M), (mode, out)
-    assert re.search(r"^warm - floor: median round [+-]\d+\.\d\d s, round 1 [+-]\d+\.\d\d s$", out, re.M), out
+    for floor in ("floor", "floor-distinct"):
+        assert re.search(rf"^warm - {floor}: median round [+-]\d+\.\d\d s, round 1 [+-]\d+\.\d\d s$", out, re.M), out
+
+
+def test_the_floors_arrays_are_zeros_or_each_of_its_own_content():
+    """scripts/flower_floor: zeros (equal arrays of one shape are one Flower object), or with a salt
+    every array's bytes differ from every other's, in the message and from salt to salt."""
+    import hashlib
+
+    sys.path.insert(0, str(ROOT / "scripts" / "flower_floor"))
+    from flower_floor import arrays
+
+    shapes = "[[3, 2], [3, 2], [4], [3, 2]]"
+
+    def digests(record):
+        return [hashlib.sha256(array.data).hexdigest() for array in record.values()]
+
+    zeros = arrays(shapes)
+    assert all(not array.numpy().any() for array in zeros.values())
+    assert len(set(digests(zeros))) == 2  # the three (3, 2) arrays are one object's content
+    salted = [digests(arrays(shapes, salt)) for salt in ((1,), (2,), (2, 7))]
+    assert len({d for ds in salted for d in ds}) == 12
+    first = arrays(shapes, (1,))
+    assert [array.numpy().shape for array in first.values()] == [(3, 2), (3, 2), (4,), (3, 2)]
+    assert all((array.numpy().reshape(-1)[1:] == i).all() for i, array in enumerate(first.values()))
 
 
 def test_bench_aggregation_quick_prints_each_rule_against_the_mean():

@@ -22,6 +22,13 @@ Flower's simulation hands a pushed message to the ClientApps when its dispatch l
 and wait nearly the whole period; a round that computes starts at a random point of it.
 ``phase-jitter`` > 0 waits a seeded uniform random time up to that many seconds before each
 round, outside the round's clock, so that the rounds measure the wait a computing round has.
+
+Flower 1.41 moves a message as content-addressed objects, one per array (and its chunks), and
+sends an object that is already there once. The arrays are zeros, so those of one shape are one
+object: a message holds fewer objects than the app's, whose model, Delta_G, v_bar and replies
+differ from array to array and from message to message. ``distinct-arrays = true`` gives every
+array its own content (each entry its index in the record, and a first word hashed from the
+round, the node and the index), so that the messages are the app's objects too.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import functools
 import json
 import random
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +51,16 @@ TIMEOUT = 600.0  # seconds the ServerApp waits for its nodes, and a round for it
 
 
 @functools.lru_cache(maxsize=4)
-def arrays(shapes_json: str):
-    """An ArrayRecord of float32 zeros of the given shapes (built once per process; the bytes
-    ``fedact_app.wire`` sends for float32 tensors)."""
-    return ArrayRecord({str(i): Array(np.zeros(shape, np.float32)) for i, shape in enumerate(json.loads(shapes_json))})
+def arrays(shapes_json: str, salt: tuple[int, ...] | None = None) -> ArrayRecord:
+    """An ArrayRecord of float32 arrays of the given shapes (the bytes ``fedact_app.wire`` sends
+    for float32 tensors): zeros, or with ``salt`` each array of its own content (module docstring)."""
+    record = {}
+    for i, shape in enumerate(json.loads(shapes_json)):
+        values = np.zeros(shape, np.float32) if salt is None else np.full(shape, i, np.float32)
+        if salt is not None and values.size:
+            values.reshape(-1).view(np.uint32)[0] = zlib.crc32(repr((salt, i)).encode())
+        record[str(i)] = Array(values)
+    return ArrayRecord(record)
 
 
 @server.main()
@@ -73,7 +87,8 @@ def main(grid: Grid, context: Context) -> None:
             queries = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=node)
                        for node in nodes]
             answered = len(exchange(grid, queries, TIMEOUT)) == len(queries)
-        content = RecordDict({"model": arrays(str(config["shapes-out"])),
+        salt = (server_round,) if config["distinct-arrays"] else None
+        content = RecordDict({"model": arrays(str(config["shapes-out"]), salt),
                               "config": ConfigRecord({"server-round": server_round})})
         messages = [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
                     for node in sorted(sampler.sample(nodes, per_round))]
@@ -92,4 +107,5 @@ def identify(msg: Message, context: Context) -> Message:
 
 @client.train()
 def train(msg: Message, context: Context) -> Message:
-    return Message(content=RecordDict({"delta": arrays(str(context.run_config["shapes-back"]))}), reply_to=msg)
+    salt = (int(msg.content["config"]["server-round"]), context.node_id) if context.run_config["distinct-arrays"] else None
+    return Message(content=RecordDict({"delta": arrays(str(context.run_config["shapes-back"]), salt)}), reply_to=msg)
