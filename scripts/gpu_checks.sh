@@ -17,7 +17,7 @@
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
 #   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
 #   units           the unit tests (not the Flower runs) with the GPU visible, and that pytest exits
-#   deploy          bench_deploy.py: 4 SuperNodes on the GPU, warm workers against Flower's floor
+#   deploy          bench_deploy.py: 4 SuperNodes on the GPU, warm workers against both of Flower's floors
 #
 # A machine without flwr, Ray or Hydra gets them from .gpu/ (../shared/gpu/make_kit.sh builds it).
 set -u
@@ -65,7 +65,7 @@ for name in "${@:-optim server}"; do
             step units 300 python3 -m pytest -n 4 -p no:cacheprovider -v -rfE -m "not e2e" ;;
         deploy)
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
-                --modes floor,warm,cold ;;
+                --modes floor,floor-distinct,warm ;;
         *) echo "unknown step $one: allowed optim server round round-compiled round-bf16 round-2-actors units deploy" >&2; exit 2 ;;
         esac
     done
