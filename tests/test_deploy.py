@@ -144,16 +144,21 @@ def _flower_flags(command: str) -> set[str]:
         return set(re.findall(r"--[a-z][a-z-]*[a-z]", text))
 
 
-def test_fab_carries_the_package_and_its_configs_and_nothing_else():
-    """The FAB that ``flwr run .`` builds (pyproject.toml's ``fab-include``): every module of the
-    package and every Hydra config, and no scripts, docs or tests, which a SuperNode would unpack
-    and hash again for every message."""
+def _fab_files(app: Path) -> set[str]:
+    """The files of the FAB that ``flwr run`` builds from ``app`` (Flower's own builder)."""
     import io
     import zipfile
 
     from flwr.cli.build import build_fab_from_disk
 
-    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(ROOT))).namelist())
+    return set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app))).namelist())
+
+
+def test_fab_carries_the_package_and_its_configs_and_nothing_else():
+    """The FAB that ``flwr run .`` builds (pyproject.toml's ``fab-include``): every module of the
+    package and every Hydra config, and no scripts, docs or tests, which a SuperNode would unpack
+    and hash again for every message."""
+    names = _fab_files(ROOT)
     assert {name.split("/")[0] for name in names} == {"fedact_app", "conf", "pyproject.toml", ".info"}
     needed = {str(path.relative_to(ROOT)) for folder, pattern in (("fedact_app", "*.py"), ("conf", "*.yaml"))
               for path in (ROOT / folder).rglob(pattern) if "__pycache__" not in path.parts}
@@ -164,16 +169,11 @@ def test_fab_carries_the_package_and_its_configs_and_nothing_else():
 def test_an_app_folder_with_its_own_clientapp_ships_that_module_and_the_configs(tmp_path):
     """scripts/attack.py's ``app_with_client`` (the attack and forged-reply runs): its FAB holds
     its ClientApp module and conf/, under pyproject.toml's own ``fab-include`` rewritten for it."""
-    import io
-    import zipfile
-
-    from flwr.cli.build import build_fab_from_disk
-
     sys.path.insert(0, str(ROOT / "scripts"))
     from attack import app_with_client
 
     folder = app_with_client(tmp_path / "app", "own_client", "from fedact_app.client_app import app\n")
-    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(folder))).namelist())
+    names = _fab_files(folder)
     assert {"own_client.py", "conf/config.yaml"} <= names
     assert 'clientapp = "own_client:app"' in (folder / "pyproject.toml").read_text()
 
