@@ -25,7 +25,7 @@ from fedact_app.finite import describe_names, non_finite
 from fedact_app.node_config import DATA_PATH_KEY
 from fedact_app.node_slot import node_slot
 from fedact_app.registry import FILE_DATASETS
-from fedact_app.wire import array_record
+from fedact_app.wire import packed_record, unpacked
 
 def node_data(context: Context, cfg: Config) -> tuple[int, int, str | None]:
     """(partition-id, num-partitions, data-path) from the node config: either the node's own
@@ -92,7 +92,7 @@ CLIENT_STATE_PREFIX = "client_state."  # Context.state key of each array dict a 
 
 def load_client_state(context: Context) -> dict[str, TensorDict]:
     """This client's arrays kept from its previous round ({} before its first round)."""
-    return {key[len(CLIENT_STATE_PREFIX):]: record.to_torch_state_dict()
+    return {key[len(CLIENT_STATE_PREFIX):]: unpacked(record)
             for key, record in context.state.array_records.items()
             if key.startswith(CLIENT_STATE_PREFIX)}
 
@@ -101,7 +101,7 @@ def save_client_state(context: Context, client_state: dict[str, TensorDict]) -> 
     """Store the arrays for this client's next round in its ``Context.state`` (Flower keeps one
     context per node and run, in simulation and deployment alike, across the messages it handles)."""
     for key, arrays in client_state.items():
-        context.state[CLIENT_STATE_PREFIX + key] = array_record(arrays)
+        context.state[CLIENT_STATE_PREFIX + key] = packed_record(arrays)
 
 
 class InjectedFault(RuntimeError):
@@ -133,11 +133,10 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     trainer, partition_id, num_partitions = node_trainer(context)
     config = content["config"]
     inject_fault(trainer.cfg, partition_id, int(config["server-round"]))
-    received = {key: record.to_torch_state_dict()
-                for key, record in content.array_records.items() if key != "model"}
+    received = {key: unpacked(record) for key, record in content.array_records.items() if key != "model"}
     started = time.perf_counter()
     result = trainer.train_round(
-        content["model"].to_torch_state_dict(), received, partition_id=partition_id,
+        unpacked(content["model"]), received, partition_id=partition_id,
         num_partitions=num_partitions, server_round=int(config["server-round"]),
         lr=float(config["lr"]), local_steps=int(config["local-steps"]),
         global_step=int(config["global-step"]), client_state=kept_state(context, config, partition_id))
@@ -151,9 +150,9 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
         if DATA_PATH_KEY not in context.node_config:
             persist_client_state(config, partition_id, result.client_state)
     update = result.update
-    reply = RecordDict({"delta": array_record(update.delta)})
+    reply = RecordDict({"delta": packed_record(update.delta)})
     for key, arrays in update.arrays.items():
-        reply[key] = array_record(arrays)
+        reply[key] = packed_record(arrays)
     # partition-id orders the server's sums and shows two nodes sharing one partition; a node
     # with its own data-path (always partition 0 of 1) sends none
     partition = {} if DATA_PATH_KEY in context.node_config else {"partition-id": partition_id}
@@ -195,7 +194,7 @@ def handle(msg: Message, context: Context, work: Callable[[Message, Context], Re
 def evaluate_content(msg: Message, context: Context) -> RecordDict:
     """The evaluate handler's work: the local test metrics of the received model."""
     trainer, partition_id, num_partitions = node_trainer(context)
-    metrics, num_examples = trainer.evaluate_local(msg.content["model"].to_torch_state_dict(),
+    metrics, num_examples = trainer.evaluate_local(unpacked(msg.content["model"]),
                                                    partition_id=partition_id, num_partitions=num_partitions)
     record = MetricRecord({"num-examples": num_examples,
                            **{key.replace("_", "-"): value for key, value in metrics.items()}})

@@ -30,7 +30,7 @@ from fedact_app.finite import all_finite
 from fedact_app.packing import VectorPool, as_vector, consecutive, views
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
 from fedact_app.sampling import ClientKey
-from fedact_app.wire import npy_values
+from fedact_app.wire import Entry, packed_entries
 
 
 class ReplyError(ValueError):
@@ -118,49 +118,43 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
 
 def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequence[str] = (),
                 device: torch.device | str = "cpu", pool: VectorPool | None = None) -> tuple[TensorDict, float]:
-    """The record's arrays as tensors on ``device``, checked against ``expected`` (the same
-    names, shapes and dtypes; floating values finite), and the L2 norm of the entries ``first``
-    (the trainable parameters; squares and sums in float64).
+    """The tensors of a packed record (fedact_app.wire) on ``device``, checked against
+    ``expected`` (the same names, shapes and dtypes; floating values finite), and the L2 norm of
+    the entries ``first`` (the trainable parameters; squares and sums in float64).
 
-    Each array's bytes are copied once, into one vector for all entries of the first entry's
-    floating dtype (``first`` of them at its start, in that order, then the others in
-    ``expected``'s order), of which the returned tensors are views (fedact_app.packing); the dict
-    lists them in that vector's order, then the entries of other dtypes. The vector comes from
-    ``pool`` when one is given (for a GPU ``device`` it is the staging of the one copy there).
-    The norm's pass is the finiteness check of ``first`` (a NaN or inf entry makes it so, and
-    finite float32 squares cannot overflow float64's sum), one float sum that of the vector's
-    other entries; only a result that is not finite is looked into entry by entry."""
-    if record.keys() != expected.keys():
-        missing, extra = expected.keys() - record.keys(), record.keys() - expected.keys()
+    The values are copied once, into one vector for all entries of the first entry's floating
+    dtype (``first`` of them at its start, in that order, then the others in ``expected``'s
+    order), of which the returned tensors are views (fedact_app.packing): one copy for each run
+    of entries that lie in that order in the record too (all of them, when the client packed
+    them in the state's order). The dict lists them in that vector's order, then the entries of
+    other dtypes. The vector comes from ``pool`` when one is given (for a GPU ``device`` it is the
+    staging of the one copy there). The norm's pass is the finiteness check of ``first`` (a NaN
+    or inf entry makes it so, and finite float32 squares cannot overflow float64's sum), one float
+    sum that of the vector's other entries; only a result that is not finite is looked into
+    entry by entry."""
+    try:
+        entries, values = packed_entries(record)
+    except ValueError as err:
+        raise ReplyError(f"{key!r}: not a readable packed record ({err})") from None
+    if entries.keys() != expected.keys():
+        missing, extra = expected.keys() - entries.keys(), entries.keys() - expected.keys()
         raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
     order = list(dict.fromkeys([*first, *expected]))
+    for name in order:
+        entry, want = entries[name], expected[name]
+        if entry.shape != tuple(want.shape) or entry.dtype != getattr(_numpy_dtype(want.dtype), "name", None):
+            raise ReplyError(f"{key!r}[{name!r}]: {entry.shape} {entry.dtype}, expected {tuple(want.shape)} {want.dtype}")
     dtype = expected[order[0]].dtype if order else None
     packed = [n for n in order if expected[n].dtype == dtype] if dtype is not None and dtype.is_floating_point else []
-    numel = sum(expected[n].numel() for n in packed)
-    vector = (pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)) if packed else None
-    target = vector.numpy() if vector is not None and vector.numel() else None
-    offsets, start = {}, 0
-    for name in packed:
-        offsets[name] = start
-        start += expected[name].numel()
-    single = {}
-    for name in order:
-        try:
-            values = npy_values(record[name])
-        except (ValueError, TypeError) as err:
-            raise ReplyError(f"{key!r}[{name!r}]: not a readable array ({err})") from None
-        want = expected[name]
-        if tuple(values.shape) != tuple(want.shape) or values.dtype != _numpy_dtype(want.dtype):
-            raise ReplyError(f"{key!r}[{name!r}]: {tuple(values.shape)} {values.dtype}, expected "
-                             f"{tuple(want.shape)} {want.dtype}")
-        if name in offsets:
-            if values.size:
-                np.copyto(target[offsets[name]:offsets[name] + values.size], values.reshape(-1))
-        else:
-            single[name] = torch.from_numpy(np.array(values)).to(device)
     tensors = {}
-    if vector is not None:
+    if packed:
+        numel = sum(expected[n].numel() for n in packed)
+        vector = pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)
+        _copy_runs(vector.numpy(), [entries[n] for n in packed], values)
         tensors = views(vector.to(device), packed, [expected[n].shape for n in packed])
+    in_vector = set(packed)
+    single = {name: torch.from_numpy(values[e.dtype][e.offset:e.end].reshape(e.shape).copy()).to(device)
+              for name, e in ((n, entries[n]) for n in order if n not in in_vector)}
     tensors.update(single)
     lead = list(first)[:consecutive(tensors, list(first))] if tensors else []
     norm = vector_norms([as_vector(tensors, lead)])[0] if lead == list(first) and lead else None
@@ -175,6 +169,22 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     if norm is None:  # ``first`` not one vector (mixed dtypes): entry by entry
         norm = vector_norms([torch.cat([tensors[n].reshape(-1).double() for n in first])])[0] if first else 0.0
     return tensors, norm
+
+
+def _copy_runs(target: np.ndarray, entries: Sequence[Entry], values: dict[str, np.ndarray]) -> None:
+    """Copy the entries' values one after the other into ``target``: one copy for each run of
+    entries that also lie one after the other in one of the record's arrays."""
+    runs: list[list] = []  # [dtype, start, end] in the record
+    for entry in entries:
+        if runs and runs[-1][0] == entry.dtype and runs[-1][2] == entry.offset:
+            runs[-1][2] = entry.end
+        else:
+            runs.append([entry.dtype, entry.offset, entry.end])
+    start = 0
+    for dtype, first, end in runs:
+        if end > first:
+            np.copyto(target[start:start + end - first], values[dtype][first:end])
+        start += end - first
 
 
 def negative_entries(arrays: TensorDict, names: Sequence[str]) -> list[str]:

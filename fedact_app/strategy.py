@@ -17,6 +17,9 @@ and expects back::
                             trust-score statistics the client sampled
                             (fedact_app.diagnostics)
 
+Each ArrayRecord is packed (fedact_app.wire.packed_record): one array per dtype and a layout
+naming the tensors in it, so that Flower moves a handful of objects a record, not one per tensor.
+
 Before a node is first sampled the strategy asks it who it is (a QUERY message; the reply's
 ``identity`` ConfigRecord, fedact_app.sampling): clients are sampled by those identities, never by
 Flower's node ids, so a seed fixes the client sequence and two methods at one seed see the same
@@ -55,7 +58,7 @@ from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
 from fedact_app.replies import Acceptance, ReplyError, RoundTerms, accept_round, count, number, record_bytes
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
                                  sample_clients, sample_count, unidentified_key)
-from fedact_app.wire import array_record, to_wire
+from fedact_app.wire import packed_record, to_wire
 
 
 ALL_NODES_WAIT = 30.0  # seconds the first round waits for every expected node to register
@@ -252,7 +255,7 @@ class AlgorithmStrategy(Strategy):
                                "global-step": (server_round - 1) * self.local_steps})
         content = RecordDict({"model": arrays, "config": config})
         for key, tensors in self.rule.broadcast().items():
-            content[key] = array_record(to_wire(tensors, self.wire_dtype))
+            content[key] = packed_record(to_wire(tensors, self.wire_dtype))
         nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes, server_round, "train")
         log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
         self.sampled_clients = [column_value(self.client_key_of(node)) for node in nodes]
@@ -309,7 +312,7 @@ class AlgorithmStrategy(Strategy):
         if "delta_g" in (broadcast := self.rule.broadcast()):
             metrics["delta_g_norm"] = vector_norms([as_vector(broadcast["delta_g"], self.trainable)])[0]
         metrics.update(mean_client_statistics(client_metrics))
-        return array_record(self.state), MetricRecord(metrics)
+        return packed_record(self.state), MetricRecord(metrics)
 
     def aggregate_finite(self, server_round: int, updates: Sequence[ClientUpdate]) -> bool:
         """Aggregate ``updates`` into ``self.state`` and the rule's state, unless the rule refuses
@@ -430,7 +433,7 @@ class AlgorithmStrategy(Strategy):
             self.state = {name: t.to(self.device) for name, t in initial_state.items()}
         if first_round == 1:
             on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
-        arrays = array_record(self.state)
+        arrays = packed_record(self.state)
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)

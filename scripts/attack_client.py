@@ -10,10 +10,10 @@ this file into an app folder with ``ATTACK`` set to one of ``ATTACKS``:
 """
 
 import torch
-from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 
 from fedact_app import client_app
+from fedact_app.wire import packed_record, unpacked
 
 ATTACKS = ("scale", "flip", "push")
 ATTACK = "scale"  # scripts/attack.py sets the run's attack here
@@ -53,7 +53,7 @@ def train(msg, context):
     reply = client_app.train(msg, context)
     if reply.has_error() or int(context.node_config["partition-id"]) != ATTACKER:
         return reply
-    delta = reply.content["delta"].to_torch_state_dict()
-    x = msg.content["model"].to_torch_state_dict()
-    reply.content["delta"] = ArrayRecord(forge(ATTACK, delta, x))
+    delta = unpacked(reply.content["delta"])
+    x = unpacked(msg.content["model"])
+    reply.content["delta"] = packed_record(forge(ATTACK, delta, x))
     return reply

@@ -71,7 +71,7 @@ from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
 from fedact_app.train import (batch_generator, compiled_for_training, cosine_lr, memory_format,  # noqa: E402
                               resolve_device, train_steps)
-from fedact_app.wire import array_record  # noqa: E402
+from fedact_app.wire import packed_record, unpacked  # noqa: E402
 from gpu_busy import GpuBusy  # noqa: E402  (scripts/)
 
 FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client optimizer is FedACTAdamW
@@ -124,10 +124,10 @@ def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
     message (Flower 1.41 hands it to the client's Ray actor and back, pickled)."""
     start = time.perf_counter()
     for arrays in messages:
-        content = RecordDict({key: array_record(tensors) for key, tensors in arrays.items()})
+        content = RecordDict({key: packed_record(tensors) for key, tensors in arrays.items()})
         received = pickle.loads(pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL))
         for key in arrays:
-            received[key].to_torch_state_dict()
+            unpacked(received[key])
     return time.perf_counter() - start
 
 
@@ -135,7 +135,7 @@ def server_check_seconds(updates: list[ClientUpdate], x: TensorDict, trainable: 
                          server: ServerRule) -> float:
     """Seconds the ServerApp spends on the replies besides the rule's aggregation: each reply's
     checks (``decode_update``) and the round's diagnostics (DC, ||Delta_G||)."""
-    contents = [RecordDict({"delta": array_record(u.delta), **{k: array_record(a) for k, a in u.arrays.items()},
+    contents = [RecordDict({"delta": packed_record(u.delta), **{k: packed_record(a) for k, a in u.arrays.items()},
                             "metrics": MetricRecord({"num-examples": u.num_examples, "num-steps": u.num_steps,
                                                      "lr-sum": u.lr_sum, "train-loss": 0.0})})
                 for u in updates]

@@ -117,12 +117,13 @@ def plain_run(overrides: str) -> dict:
             accuracy = metrics.get("test_accuracy", accuracy)
         rounds.append(time.perf_counter() - started)
     # what a training message carries (the global model, the broadcast arrays) and a reply (the
-    # delta, the method's reply arrays), for the floor app's messages of the same size
+    # delta, the method's reply arrays), for the floor app's messages of the same size: one array
+    # a record, as fedact_app.wire packs them
     out = [x, *rule.broadcast().values()]
     back = [updates[-1].delta, *updates[-1].arrays.values()]
     return {"rounds": rounds, "final_test_accuracy": accuracy,
-            "shapes_out": [list(t.shape) for arrays in out for t in arrays.values()],
-            "shapes_back": [list(t.shape) for arrays in back for t in arrays.values()],
+            "shapes_out": [[sum(t.numel() for t in arrays.values())] for arrays in out],
+            "shapes_back": [[sum(t.numel() for t in arrays.values())] for arrays in back],
             "clients_per_round": count,
             "num_clients": cfg.num_clients, "num_rounds": cfg.num_rounds}
 

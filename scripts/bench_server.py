@@ -56,7 +56,7 @@ from bench_run import machine  # noqa: E402  (scripts/)
 from interleaved import interleaved, print_medians  # noqa: E402  (scripts/)
 from fedact_app.strategy import AlgorithmStrategy  # noqa: E402
 from fedact_app.train import resolve_device  # noqa: E402
-from fedact_app.wire import array_record  # noqa: E402
+from fedact_app.wire import packed_record  # noqa: E402
 
 PIECES = ("decode + checks", "acceptance", "aggregate", "DC + ||Delta_G||")
 
@@ -73,7 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def replies_of(state: dict, trainable: list[str], clients: int) -> list[RecordDict]:
     """The reply records of bench_aggregation.py's ``clients`` FedACT updates (delta, v)."""
-    return [RecordDict({"delta": array_record(u.delta), "v": array_record(u.arrays["v"]),
+    return [RecordDict({"delta": packed_record(u.delta), "v": packed_record(u.arrays["v"]),
                         "metrics": MetricRecord({"num-examples": u.num_examples, "num-steps": u.num_steps,
                                                  "lr-sum": u.lr_sum, "train-loss": 1.0})})
             for u in updates_of(state, trainable, clients)]

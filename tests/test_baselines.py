@@ -401,11 +401,12 @@ def test_scaffold_c_i_lives_in_each_clients_context_state():
     """Through the ClientApp's train work (``train_content``) with real Flower records: c_i is zero
     on a client's first round, survives in that client's ``Context.state`` to its next round, and
     never crosses to another client although one warm trainer serves both."""
-    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+    from flwr.app import ConfigRecord, Context, RecordDict
 
     from fedact_app.client_work import CLIENT_STATE_PREFIX, load_client_state, train_content
     from fedact_app.config import compose
     from fedact_app.tasks.vision.models import build_model
+    from fedact_app.wire import packed_record, unpacked
 
     overrides = "algorithm=scaffold num_clients=3 local_steps=3 batch_size=16 device=cpu"
     cfg = compose(overrides)
@@ -419,14 +420,14 @@ def test_scaffold_c_i_lives_in_each_clients_context_state():
                        run_config={"overrides": overrides})
 
     def content(server_round, c=None):
-        records = {"model": ArrayRecord(x0), "config": ConfigRecord(
+        records = {"model": packed_record(x0), "config": ConfigRecord(
             {"server-round": server_round, "local-steps": K, "lr": lr, "global-step": 0})}
         if c is not None:
-            records["c"] = ArrayRecord(c)
+            records["c"] = packed_record(c)
         return RecordDict(records)
 
     def arrays(reply, key):
-        return reply[key].to_torch_state_dict()
+        return unpacked(reply[key])
 
     c1 = {n: torch.full_like(x0[n], 0.01) for n in trainable}
     a, other = context(0), context(0)  # two clients that happen to hold the same partition

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedact_app.algorithms import ALGORITHMS
 from fedact_app.baselines import FedLADAAdam
@@ -18,6 +18,7 @@ from fedact_app.diagnostics import (TrustProbe, adam_direction, direction_consis
                                     mean_client_statistics, trust_score_statistics)
 from fedact_app.optim import FedACTAdamW
 from fedact_app.strategy import AlgorithmStrategy
+from fedact_app.wire import packed_record
 
 
 # ---------------------------------------------------------------------- plain oracles
@@ -307,8 +308,8 @@ def test_training_is_identical_with_diagnostics_on_and_off():
 
 def reply(node: int, delta: dict, stats: dict) -> Message:
     content = RecordDict({
-        "delta": ArrayRecord(delta),
-        "v": ArrayRecord({"w": torch.full((3,), 0.1)}),
+        "delta": packed_record(delta),
+        "v": packed_record({"w": torch.full((3,), 0.1)}),
         "metrics": MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": 0.5, "train-loss": 1.0,
                                  "partition-id": node, **stats}),
     })

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
+from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
 
 from fedact_app import client_app, client_work
 from fedact_app.cli.procs import pid_alive, start_time
@@ -25,6 +25,7 @@ from fedact_app.config import compose
 from fedact_app.node_config import switch, worker_idle_timeout
 from fedact_app.node_worker import channel, forward
 from fedact_app.tasks.vision.models import build_model
+from fedact_app.wire import packed_record, unpacked
 
 pytestmark = pytest.mark.timeout(300)
 # SCAFFOLD: the client keeps c_i in its Context.state, which must travel to the worker and back
@@ -64,13 +65,13 @@ def train_message(server_round, overrides=RUN, run_id=5, partition_id=0):
     metadata = Metadata(run_id=run_id, message_id=f"m{server_round}", src_node_id=0,
                         dst_node_id=100 + partition_id, reply_to_message_id="", group_id=str(server_round),
                         created_at=time.time(), ttl=43200.0, message_type="train")
-    content = RecordDict({"model": ArrayRecord(x), "c": ArrayRecord(c), "config": ConfigRecord(
+    content = RecordDict({"model": packed_record(x), "c": packed_record(c), "config": ConfigRecord(
         {"server-round": server_round, "local-steps": 3, "lr": 0.05, "global-step": 3 * (server_round - 1)})})
     return Message(metadata=metadata, content=content)
 
 
 def arrays(record_dict):
-    return {key: record.to_torch_state_dict() for key, record in record_dict.array_records.items()}
+    return {key: unpacked(record) for key, record in record_dict.array_records.items()}
 
 
 def assert_same_reply(warm, cold):

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.app import MetricRecord, RecordDict
 
 from fedact_app.replies import ReplyError, decode_update, record_bytes
+from fedact_app.wire import packed_record
 
 STATE = {"w": torch.zeros(2, 3), "bn.running_mean": torch.zeros(3), "bn.n": torch.tensor(0)}
 TRAINABLE = ["w"]
@@ -12,8 +13,8 @@ TRAINABLE = ["w"]
 
 def reply(delta=None, v=None, metrics=None, drop=()):
     content = RecordDict({
-        "delta": ArrayRecord(delta if delta is not None else {k: torch.ones_like(t) for k, t in STATE.items()}),
-        "v": ArrayRecord(v if v is not None else {"w": torch.full((2, 3), 0.5)}),
+        "delta": packed_record(delta if delta is not None else {k: torch.ones_like(t) for k, t in STATE.items()}),
+        "v": packed_record(v if v is not None else {"w": torch.full((2, 3), 0.5)}),
         "metrics": MetricRecord(metrics or {"num-examples": 64, "num-steps": 2, "lr-sum": 0.002,
                                             "train-loss": 1.5}),
     })

@@ -11,12 +11,13 @@ import time
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedact_app.aggregation import Aggregation
 from fedact_app.algorithms import ALGORITHMS
 from fedact_app.config import compose
 from fedact_app.strategy import AlgorithmStrategy
+from fedact_app.wire import packed_record
 
 STATE = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1.0, -1.0]), "bn.n": torch.tensor(3)}
 TRAINABLE = ["w", "b"]
@@ -26,9 +27,9 @@ METRICS = {"num-examples": 20, "num-steps": K, "lr-sum": K * LR, "train-loss": 1
 
 def content(delta_scale=1.0, v=0.04, **metrics):
     return RecordDict({
-        "delta": ArrayRecord({"w": torch.full((2, 3), 0.25 * delta_scale),
+        "delta": packed_record({"w": torch.full((2, 3), 0.25 * delta_scale),
                               "b": torch.tensor([0.5, -0.5]) * delta_scale, "bn.n": torch.tensor(1)}),
-        "v": ArrayRecord({"w": torch.full((2, 3), v), "b": torch.full((2,), v)}),
+        "v": packed_record({"w": torch.full((2, 3), v), "b": torch.full((2,), v)}),
         "metrics": MetricRecord({**METRICS, **metrics}),
     })
 
@@ -146,7 +147,7 @@ def test_more_replies_than_scaffold_has_clients_change_nothing(caplog):
     strategy.messages_sent = 2
     record = content()
     del record["v"]
-    record["delta_c"] = ArrayRecord({"w": torch.zeros(2, 3), "b": torch.zeros(2)})
+    record["delta_c"] = packed_record({"w": torch.zeros(2, 3), "b": torch.zeros(2)})
     with caplog.at_level(logging.WARNING, logger="flwr"):
         arrays, metrics = strategy.aggregate_train(1, [reply(1, record), reply(2, record)])
     assert arrays is None and metrics["clients"] == 0 and unchanged(strategy)

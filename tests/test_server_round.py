@@ -18,6 +18,7 @@ from fedact_app.packing import as_vector, consecutive, views
 from fedact_app.replies import ReplyError, decode_update
 from fedact_app.strategy import AlgorithmStrategy
 from fedact_app.train import resolve_device
+from fedact_app.wire import packed_record, unpacked
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                   reason="no CUDA device"))]
@@ -51,7 +52,7 @@ def test_views_cut_one_vector_and_as_vector_views_them_back():
 
 
 def reply_content(delta, v, lr_sum=LR_SUM, examples=10):
-    return RecordDict({"delta": ArrayRecord(delta), "v": ArrayRecord(v),
+    return RecordDict({"delta": packed_record(delta), "v": packed_record(v),
                        "metrics": MetricRecord({"num-examples": examples, "num-steps": 5, "lr-sum": lr_sum,
                                                 "train-loss": 1.0})})
 
@@ -84,19 +85,34 @@ def test_a_decoded_reply_is_one_vector_per_key_with_the_trainable_entries_first(
 def test_unreadable_array_bytes_are_a_rejected_reply_not_a_crash():
     delta, v = client_arrays(2)
     content = reply_content(delta, v)
-    record = content["v"]
-    record["w"] = Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=b"\x93NUMPY garbage")
-    with pytest.raises(ReplyError, match=r"'v'\['w'\]: not a readable array.*no \.npy array"):
+    content["v"]["float32"] = Array(dtype="float32", shape=(8,), stype="numpy.ndarray", data=b"\x93NUMPY garbage")
+    with pytest.raises(ReplyError, match=r"'v': not a readable packed record .*no \.npy array"):
         decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
     content = reply_content(delta, v)
-    whole = content["v"]["w"].data
-    content["v"]["w"] = Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=whole[:len(whole) - 4])
+    whole = content["v"]["float32"].data
+    content["v"]["float32"] = Array(dtype="float32", shape=(8,), stype="numpy.ndarray", data=whole[:len(whole) - 4])
     with pytest.raises(ReplyError, match="no .npy array"):
         decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
     content = reply_content(delta, v)  # an Array whose shape is not the one its .npy header says
-    content["v"]["w"] = Array(dtype="float32", shape=(3, 2), stype="numpy.ndarray", data=whole)
-    with pytest.raises(ReplyError, match=r"does not say 'shape': \(3, 2\)"):
+    content["v"]["float32"] = Array(dtype="float32", shape=(2, 4), stype="numpy.ndarray", data=whole)
+    with pytest.raises(ReplyError, match=r"does not say 'shape': \(2, 4\)"):
         decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
+    content = reply_content(delta, v)  # each entry's own arrays, as Flower's ArrayRecord(dict) sends them
+    content["v"] = ArrayRecord(v)
+    with pytest.raises(ReplyError, match=r"'v': not a readable packed record \(no 'layout' entry"):
+        decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
+
+
+def test_a_reply_packed_in_another_order_reads_as_the_same_update():
+    delta, v = client_arrays(4)
+    ours = decode_update(reply_content(delta, v), STATE, ("v",), TRAINABLE, ("v",))
+    shuffled = {name: delta[name] for name in ["bn.n", "b", "bn.mean", "w"]}
+    theirs = decode_update(reply_content(shuffled, dict(reversed(v.items()))), STATE, ("v",), TRAINABLE, ("v",))
+    assert list(theirs.delta) == list(ours.delta) and list(theirs.arrays["v"]) == list(ours.arrays["v"])
+    for name in STATE:
+        assert torch.equal(theirs.delta[name], delta[name])
+    assert consecutive(theirs.delta, ["w", "b", "bn.mean"]) == 3  # still one vector, trainable first
+    assert theirs.norms == ours.norms
 
 
 @pytest.mark.parametrize("position", [0, 5, 7])
@@ -198,7 +214,7 @@ def test_a_round_on_the_server_device_gives_the_formulas_and_the_cpu_values(devi
     assert all(t.device.type == device for t in strategy.rule.v_bar.values())
     deltas = [flat_list(d, ["w", "bn.mean", "b"]) for d, _ in sent]
     x = [sum(col) / count for col in zip(*deltas)]  # x^0 = 0
-    assert flat_list(arrays.to_torch_state_dict(), ["w", "bn.mean", "b"]) == pytest.approx(x, rel=1e-6, abs=1e-7)
+    assert flat_list(unpacked(arrays), ["w", "bn.mean", "b"]) == pytest.approx(x, rel=1e-6, abs=1e-7)
     trainable = [flat_list(d, TRAINABLE) for d, _ in sent]
     delta_g = [-sum(col) / count / LR_SUM for col in zip(*trainable)]
     v_bar = [sum(col) / count for col in zip(*[flat_list(v, TRAINABLE) for _, v in sent])]
@@ -217,7 +233,7 @@ def test_a_round_on_the_server_device_gives_the_formulas_and_the_cpu_values(devi
     if device == "cpu":
         return
     _, cpu_arrays, cpu_metrics = run_round("cpu", sent)
-    torch.testing.assert_close(arrays.to_torch_state_dict(), cpu_arrays.to_torch_state_dict(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(unpacked(arrays), unpacked(cpu_arrays), rtol=1e-6, atol=1e-7)
     for key in ("direction_consistency", "delta_g_norm", "update_norm_ratio"):
         assert metrics[key] == pytest.approx(cpu_metrics[key], rel=1e-6)
 

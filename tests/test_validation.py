@@ -8,7 +8,7 @@ from dataclasses import fields, is_dataclass
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedact_app.algorithms import ALGORITHMS
 from fedact_app.config import Config, ConfigError, compose
@@ -16,6 +16,7 @@ from fedact_app.tasks.vision.data import train_labels
 from fedact_app.tasks.vision.partition import check_partitions
 from fedact_app.replies import ReplyError, decode_update
 from fedact_app.strategy import AlgorithmStrategy
+from fedact_app.wire import packed_record, unpacked
 
 
 @pytest.mark.parametrize("override, key", [
@@ -138,9 +139,9 @@ LR_SUM = 0.5
 
 def good_content(scale=1.0):
     return RecordDict({
-        "delta": ArrayRecord({"w": torch.full((2, 3), 0.25 * scale), "b": torch.tensor([0.5, -0.5]) * scale,
+        "delta": packed_record({"w": torch.full((2, 3), 0.25 * scale), "b": torch.tensor([0.5, -0.5]) * scale,
                               "bn.n": torch.tensor(1)}),
-        "v": ArrayRecord({"w": torch.full((2, 3), 0.04), "b": torch.tensor([0.01, 0.09])}),
+        "v": packed_record({"w": torch.full((2, 3), 0.04), "b": torch.tensor([0.01, 0.09])}),
         "metrics": MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": LR_SUM, "train-loss": 1.0}),
     })
 
@@ -169,12 +170,12 @@ BAD = {
     "missing delta": without("delta"),
     "missing v": without("v"),
     "missing metrics": without("metrics"),
-    "missing key": with_record("delta", ArrayRecord({"w": torch.zeros(2, 3), "bn.n": torch.tensor(0)})),
-    "wrong shape": with_record("v", ArrayRecord({"w": torch.zeros(3, 2), "b": torch.zeros(2)})),
-    "wrong dtype": with_record("v", ArrayRecord({"w": torch.zeros(2, 3, dtype=torch.float16), "b": torch.zeros(2)})),
-    "nan": with_record("delta", ArrayRecord({"w": torch.full((2, 3), float("nan")), "b": torch.zeros(2),
+    "missing key": with_record("delta", packed_record({"w": torch.zeros(2, 3), "bn.n": torch.tensor(0)})),
+    "wrong shape": with_record("v", packed_record({"w": torch.zeros(3, 2), "b": torch.zeros(2)})),
+    "wrong dtype": with_record("v", packed_record({"w": torch.zeros(2, 3, dtype=torch.float16), "b": torch.zeros(2)})),
+    "nan": with_record("delta", packed_record({"w": torch.full((2, 3), float("nan")), "b": torch.zeros(2),
                                              "bn.n": torch.tensor(0)})),
-    "negative v": with_record("v", ArrayRecord({"w": torch.full((2, 3), 0.04), "b": torch.tensor([0.01, -1e-9])})),
+    "negative v": with_record("v", packed_record({"w": torch.full((2, 3), 0.04), "b": torch.tensor([0.01, -1e-9])})),
     "zero steps": with_record("metrics", MetricRecord({"num-examples": 10, "num-steps": 0, "lr-sum": LR_SUM})),
     "negative lr-sum": with_record("metrics", MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": -0.5})),
     "zero examples": with_record("metrics", MetricRecord({"num-examples": 0, "num-steps": 5, "lr-sum": LR_SUM})),
@@ -210,13 +211,13 @@ def test_error_reply_and_missing_reply_are_counted_and_only_good_replies_aggrega
     arrays, metrics = strategy.aggregate_train(1, [reply(7, good_content()), failed])
     assert (metrics["clients"], metrics["rejected"], metrics["failed"], metrics["missing"]) == (1, 1, 1, 1)
     good = good_content()
-    delta = good["delta"].to_torch_state_dict()
+    delta = unpacked(good["delta"])
     for name in STATE:
         assert torch.equal(strategy.state[name], STATE[name] + delta[name])
     state = strategy.rule.state_dict()
     for name in TRAINABLE:
         torch.testing.assert_close(state["delta_g"][name], -delta[name] / LR_SUM, rtol=0, atol=0)
-        assert torch.equal(state["v_bar"][name], good["v"].to_torch_state_dict()[name])
+        assert torch.equal(state["v_bar"][name], unpacked(good["v"])[name])
     assert arrays is not None
 
 
@@ -248,7 +249,7 @@ def test_aggregation_does_not_depend_on_the_order_replies_arrive_in():
     contents = []
     for pid in range(3):
         content = good_content(scale=1.0 + pid / 7)
-        content["v"] = ArrayRecord({"w": torch.rand(2, 3), "b": torch.rand(2)})
+        content["v"] = packed_record({"w": torch.rand(2, 3), "b": torch.rand(2)})
         content["metrics"] = MetricRecord({"num-examples": 10, "num-steps": 5, "lr-sum": LR_SUM / 3 * (pid + 1),
                                            "train-loss": 1.0, "partition-id": pid})
         contents.append(content)
