@@ -142,7 +142,7 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     order = list(dict.fromkeys([*first, *expected]))
     for name in order:
         entry, want = entries[name], expected[name]
-        if entry.shape != tuple(want.shape) or entry.dtype != getattr(_numpy_dtype(want.dtype), "name", None):
+        if entry.shape != tuple(want.shape) or entry.dtype != _numpy_name(want.dtype):
             raise ReplyError(f"{key!r}[{name!r}]: {entry.shape} {entry.dtype}, expected {tuple(want.shape)} {want.dtype}")
     dtype = expected[order[0]].dtype if order else None
     packed = [n for n in order if expected[n].dtype == dtype] if dtype is not None and dtype.is_floating_point else []
@@ -199,10 +199,11 @@ def negative_entries(arrays: TensorDict, names: Sequence[str]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=32)
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
-    """NumPy's dtype for a torch dtype (None for one NumPy lacks, e.g. bfloat16)."""
+def _numpy_name(dtype: torch.dtype) -> str | None:
+    """NumPy's name of a torch dtype, as a packed record's layout gives it (None for one NumPy
+    lacks, e.g. bfloat16)."""
     try:
-        return torch.empty(0, dtype=dtype).numpy().dtype
+        return torch.empty(0, dtype=dtype).numpy().dtype.name
     except TypeError:
         return None
 

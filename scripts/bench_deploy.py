@@ -14,9 +14,10 @@ down again; the cluster's start is not timed. The modes:
 - **cold**: the same with ``warm-worker=false`` in every node config: a fresh ClientApp process
   imports torch, builds the task and trains, for every message;
 - **floor**: ``scripts/flower_floor``, a Flower app whose ClientApp imports Flower and NumPy only
-  and answers at once with arrays of the app's reply shapes, on the same cluster set-up: the
-  seconds a round costs before any app does anything. Its arrays are zeros, and Flower sends
-  equal arrays once (content-addressed objects), so its messages are fewer objects than the app's;
+  and answers at once with one array for each of the app's reply records, of its size, on the
+  same cluster set-up: the seconds a round costs before any app does anything. Its arrays are
+  zeros, and Flower sends equal arrays once (content-addressed objects), so its messages are
+  fewer objects than the app's;
 - **floor-distinct**: the floor with every array of every message of its own content
   (``distinct-arrays``): as many objects as the app's messages;
 - **simulation**: ``python -m fedact_app.cli.launch``'s run of the same config, each client with

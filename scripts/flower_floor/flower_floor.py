@@ -23,10 +23,12 @@ and wait nearly the whole period; a round that computes starts at a random point
 ``phase-jitter`` > 0 waits a seeded uniform random time up to that many seconds before each
 round, outside the round's clock, so that the rounds measure the wait a computing round has.
 
-Flower 1.41 moves a message as content-addressed objects, one per array (and its chunks), so
-equal arrays of a message are one object. The arrays are zeros, so those of one shape are one
+The app sends each record as one array (``fedact_app.wire.packed_record``), so ``scripts/bench_run.py``
+gives the floor one shape per record: its messages carry the app's arrays, not the app's tensors.
+Flower 1.41 moves a message as content-addressed objects, one per array (and its 5 MiB chunks),
+so equal arrays of a message are one object. The arrays are zeros, so those of one shape are one
 object: a message holds fewer objects than the app's, whose model, Delta_G, v_bar and replies
-differ from array to array and from message to message. ``distinct-arrays = true`` gives every
+differ from each other and from message to message. ``distinct-arrays = true`` gives every
 array its own content (each entry its index in the record, and a first word hashed from the
 round, the node and the index), so that a message is as many objects as the app's.
 """
