@@ -132,7 +132,8 @@ def packed_entries(record: ArrayRecord) -> tuple[dict[str, Entry], dict[str, np.
     values (read-only views of the record's bytes, :func:`npy_values`). ValueError naming what is
     wrong when the record is not one :func:`packed_record` writes: no layout, a layout that is not
     a list of ``[name, dtype, shape]`` with distinct names, a dtype the record holds no array of,
-    an array of another dtype or size than its tensors, or an array no tensor lies in."""
+    an array of another dtype (this machine's byte order) or size than its tensors, or an array
+    no tensor lies in."""
     if LAYOUT not in record:
         raise ValueError(f"no {LAYOUT!r} entry (entries {sorted(record)[:3]}): not a packed record")
     raw = npy_values(record[LAYOUT])
@@ -164,9 +165,9 @@ def packed_entries(record: ArrayRecord) -> tuple[dict[str, Entry], dict[str, np.
         if dtype not in sizes:
             raise ValueError(f"its array {dtype!r} holds no tensor of the layout")
         values[dtype] = npy_values(record[dtype])
-        if values[dtype].dtype.name != dtype or values[dtype].shape != (sizes[dtype],):
-            raise ValueError(f"its array {dtype!r} is {values[dtype].shape} {values[dtype].dtype}, the layout's "
-                             f"tensors are ({sizes[dtype]},) {dtype}")
+        if values[dtype].dtype != _dtype(dtype) or values[dtype].shape != (sizes[dtype],):  # native byte order
+            raise ValueError(f"its array {dtype!r} is {values[dtype].shape} {values[dtype].dtype.str}, the layout's "
+                             f"tensors are ({sizes[dtype]},) {_dtype(dtype).str}")
     return entries, values
 
 

@@ -97,6 +97,10 @@ def test_unreadable_array_bytes_are_a_rejected_reply_not_a_crash():
     content["v"]["float32"] = Array(dtype="float32", shape=(2, 4), stype="numpy.ndarray", data=whole)
     with pytest.raises(ReplyError, match=r"does not say 'shape': \(2, 4\)"):
         decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
+    content = reply_content(delta, v)  # bn.n's int64 in the other byte order (torch.from_numpy refuses it)
+    content["delta"]["int64"] = Array(delta["bn.n"].reshape(1).numpy().astype(">i8"))
+    with pytest.raises(ReplyError, match=r"'delta': not a readable packed record .*'int64' is \(1,\) >i8"):
+        decode_update(content, STATE, ("v",), TRAINABLE, ("v",))
     content = reply_content(delta, v)  # each entry's own arrays, as Flower's ArrayRecord(dict) sends them
     content["v"] = ArrayRecord(v)
     with pytest.raises(ReplyError, match=r"'v': not a readable packed record \(no 'layout' entry"):

@@ -77,10 +77,12 @@ GOOD = packed_record({"w": torch.ones(2, 3), "n": torch.tensor([4, 5])})
     (with_layout(GOOD, [["w", "float16", [2, 3]], ["n", "int64", [2]]]), "'w' is 'float16', of which the record "
                                                                          "holds no array"),
     (with_layout(GOOD, [["w", "layout", [2, 3]], ["n", "int64", [2]]]), "of which the record holds no array"),
-    (with_layout(GOOD, [["w", "float32", [3, 3]], ["n", "int64", [2]]]), r"'float32' is \(6,\) float32, the "
-                                                                         r"layout's tensors are \(9,\) float32"),
+    (with_layout(GOOD, [["w", "float32", [3, 3]], ["n", "int64", [2]]]), r"'float32' is \(6,\) <f4, the "
+                                                                         r"layout's tensors are \(9,\) <f4"),
     (with_layout(GOOD, [["w", "float32", [2, 3]]]), "array 'int64' holds no tensor of the layout"),
-    (ArrayRecord({**GOOD, "int64": Array(np.array([4, 5], np.int32))}), r"'int64' is \(2,\) int32"),
+    (ArrayRecord({**GOOD, "int64": Array(np.array([4, 5], np.int32))}), r"'int64' is \(2,\) <i4"),
+    (ArrayRecord({**GOOD, "int64": Array(np.array([4, 5], ">i8"))}), r"'int64' is \(2,\) >i8, the layout's "
+                                                                    r"tensors are \(2,\) <i8"),
     (ArrayRecord({**GOOD, "float32": Array(dtype="float32", shape=(6,), stype="numpy.ndarray",
                                            data=b"\x93NUMPY garbage")}), "no .npy array"),
 ])
@@ -89,4 +91,7 @@ def test_a_malformed_packed_record_is_refused_naming_what_is_wrong(record, reaso
         packed_entries(record)
     with pytest.raises(ValueError, match=reason):
         unpacked(record)
-    assert unpacked(GOOD)["n"].tolist() == [4, 5]  # the record the cases were made from is good
+
+
+def test_the_record_the_malformed_ones_are_made_from_is_good():
+    assert unpacked(GOOD)["n"].tolist() == [4, 5] and torch.equal(unpacked(GOOD)["w"], torch.ones(2, 3))
