@@ -7,9 +7,9 @@ A packed record holds one array per dtype, named by it (``"float32"``: every flo
 values one after the other, in the dict's order), and a ``"layout"`` array: the UTF-8 JSON list
 ``[[name, dtype, shape], ...]`` that cuts them back into named tensors. Flower 1.41 moves a
 message as content-addressed objects, one per array and per 5 MiB chunk of it, each pulled and
-pushed on its own between SuperLink, SuperNode and ClientApp: a ViT-Tiny broadcast of one array
-per tensor was some 490 objects, packed it is about 20 (docs/PERFORMANCE.md has the measured
-rounds). Every array is NumPy's ``.npy`` bytes, as Flower's own ``Array`` writes them.
+pushed on its own between SuperLink, SuperNode and ClientApp: a FedACT training message of
+ViT-Tiny is 19 objects packed, 485 with one array per tensor (docs/PERFORMANCE.md has the
+measured rounds). Every array is NumPy's ``.npy`` bytes, as Flower's own ``Array`` writes them.
 
 ``float32`` sends the broadcast arrays as they are; ``float16`` and ``bfloat16`` halve their
 bytes. NumPy has no bfloat16, so bfloat16 travels as the int16 view of its bits and the client,
