@@ -138,12 +138,12 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
         raise ReplyError(f"{key!r}: not a readable packed record ({err})") from None
     if entries.keys() != expected.keys():
         missing, extra = expected.keys() - entries.keys(), entries.keys() - expected.keys()
-        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
+        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {[n[:80] for n in sorted(extra)[:3]]})")
     order = list(dict.fromkeys([*first, *expected]))
     for name in order:
         entry, want = entries[name], expected[name]
         if entry.shape != tuple(want.shape) or entry.dtype != _numpy_name(want.dtype):
-            raise ReplyError(f"{key!r}[{name!r}]: {entry.shape} {entry.dtype}, expected {tuple(want.shape)} {want.dtype}")
+            raise ReplyError(f"{key!r}[{name!r}]: {str(entry.shape)[:80]} {entry.dtype[:80]}, expected {tuple(want.shape)} {want.dtype}")
     dtype = expected[order[0]].dtype if order else None
     packed = [n for n in order if expected[n].dtype == dtype] if dtype is not None and dtype.is_floating_point else []
     tensors = {}

@@ -135,7 +135,7 @@ def packed_entries(record: ArrayRecord) -> tuple[dict[str, Entry], dict[str, np.
     an array of another dtype (this machine's byte order) or size than its tensors, or an array
     no tensor lies in."""
     if LAYOUT not in record:
-        raise ValueError(f"no {LAYOUT!r} entry (entries {sorted(record)[:3]}): not a packed record")
+        raise ValueError(f"no {LAYOUT!r} entry (entries {[key[:80] for key in sorted(record)[:3]]}): not a packed record")
     raw = npy_values(record[LAYOUT])
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise ValueError(f"its {LAYOUT!r} is {raw.shape} {raw.dtype}, not UTF-8 bytes")
@@ -153,9 +153,9 @@ def packed_entries(record: ArrayRecord) -> tuple[dict[str, Entry], dict[str, np.
             raise ValueError(f"layout entry {str(item)[:80]} is not [name, dtype, shape]")
         name, dtype, shape = item
         if name in entries:
-            raise ValueError(f"the layout names {name!r} twice")
+            raise ValueError(f"the layout names {name[:80]!r} twice")
         if dtype == LAYOUT or dtype not in record:
-            raise ValueError(f"{name!r} is {dtype!r}, of which the record holds no array")
+            raise ValueError(f"{name[:80]!r} is {dtype[:80]!r}, of which the record holds no array")
         entries[name] = Entry(dtype, tuple(shape), sizes.get(dtype, 0))
         sizes[dtype] = entries[name].end
     values = {}
@@ -163,7 +163,7 @@ def packed_entries(record: ArrayRecord) -> tuple[dict[str, Entry], dict[str, np.
         if dtype == LAYOUT:
             continue
         if dtype not in sizes:
-            raise ValueError(f"its array {dtype!r} holds no tensor of the layout")
+            raise ValueError(f"its array {dtype[:80]!r} holds no tensor of the layout")
         values[dtype] = npy_values(record[dtype])
         if values[dtype].dtype != _dtype(dtype) or values[dtype].shape != (sizes[dtype],):  # native byte order
             raise ValueError(f"its array {dtype!r} is {values[dtype].shape} {values[dtype].dtype.str}, the layout's "

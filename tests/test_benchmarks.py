@@ -143,27 +143,35 @@ def test_bench_deploy_quick_prints_each_modes_rounds_and_the_gap_to_the_floor():
         assert re.search(rf"^warm - {floor}: median round [+-]\d+\.\d\d s, round 1 [+-]\d+\.\d\d s$", out, re.M), out
 
 
-def test_the_floors_arrays_are_zeros_or_each_of_its_own_content():
-    """scripts/flower_floor: zeros (equal arrays of one shape are one Flower object), or with a salt
-    every array's bytes differ from every other's, in the message and from salt to salt."""
+def test_the_floors_records_are_packed_as_the_apps_and_zeros_or_each_of_its_own_content():
+    """scripts/flower_floor: one record per shape, packed as fedact_app.wire packs a record of
+    float32 tensors; zeros (equal arrays of one shape are one Flower object), or with a salt every
+    array's bytes, and every 5 MiB chunk Flower cuts them into, differ from every other's."""
     import hashlib
 
+    from flwr.app import RecordDict
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    from fedact_app.wire import unpacked
+
     sys.path.insert(0, str(ROOT / "scripts" / "flower_floor"))
-    from flower_floor import arrays
+    from flower_floor import records
 
     shapes = "[[3, 2], [3, 2], [4], [3, 2]]"
 
-    def digests(record):
-        return [hashlib.sha256(array.data).hexdigest() for array in record.values()]
+    def digests(records):
+        return [hashlib.sha256(record["float32"].data).hexdigest() for record in records.values()]
 
-    zeros = arrays(shapes)
-    assert all(not array.numpy().any() for array in zeros.values())
+    zeros = records(shapes)
+    assert [list(record) for record in zeros.values()] == [["layout", "float32"]] * 4
+    assert [tuple(unpacked(record)["values"].shape) for record in zeros.values()] == [(3, 2), (3, 2), (4,), (3, 2)]
+    assert all(not unpacked(record)["values"].any() for record in zeros.values())
     assert len(set(digests(zeros))) == 2  # the three (3, 2) arrays are one object's content
-    salted = [digests(arrays(shapes, salt)) for salt in ((1,), (2,), (2, 7))]
+    salted = [digests(records(shapes, salt)) for salt in ((1,), (2,), (2, 7))]
     assert len({d for ds in salted for d in ds}) == 12
-    first = arrays(shapes, (1,))
-    assert [array.numpy().shape for array in first.values()] == [(3, 2), (3, 2), (4,), (3, 2)]
-    assert all((array.numpy().reshape(-1)[1:] == i).all() for i, array in enumerate(first.values()))
+    big = "[[3000000]]"  # 12 MB: three chunks of Flower's 5 MiB
+    one, other = (get_all_nested_objects(RecordDict(records(big, salt))) for salt in ((1,), (2,)))
+    assert len(one) >= 6 and len(one.keys() | other.keys()) == len(one) + len(other) - 2  # the layout is shared
 
 
 def test_bench_aggregation_quick_prints_each_rule_against_the_mean():

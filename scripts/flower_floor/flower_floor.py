@@ -31,9 +31,10 @@ Flower 1.41 moves a message as content-addressed objects, one per array (and its
 so equal arrays of a message are one object. The arrays are zeros, so those of one shape are one
 object: a message holds fewer objects than the app's, whose model, Delta_G, v_bar and replies
 differ from each other and from message to message. ``distinct-arrays = true`` gives every
-array its own content (each entry its index in the record, and a first word hashed from the
-round, the node and the index), so that a message is as many objects as the app's (exactly as
-many on ``cnn_small`` and ViT-Tiny, whose tensors are all float32 and trainable).
+array its own content (uniform random values seeded by the round, the node and the record), so
+that a message is as many objects as the app's (exactly as many on ``cnn_small`` and ViT-Tiny,
+whose tensors are all float32 and trainable) and, as the app's, shares none with another node's
+message: every 5 MiB chunk differs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import functools
 import json
 import random
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -62,11 +62,10 @@ def records(shapes_json: str, salt: tuple[int, ...] | None = None) -> dict[str, 
     ``salt`` each of its own content (module docstring)."""
     out = {}
     for i, shape in enumerate(json.loads(shapes_json)):
-        values = np.zeros(shape, np.float32) if salt is None else np.full(shape, i, np.float32)
-        if salt is not None and values.size:
-            values.reshape(-1).view(np.uint32)[0] = zlib.crc32(repr((salt, i)).encode())
+        values = np.zeros(shape, np.float32) if salt is None else \
+            np.random.default_rng([*salt, i]).random(shape, dtype=np.float32)
         layout = np.frombuffer(json.dumps([["values", "float32", shape]]).encode(), np.uint8)
-        out[str(i)] = ArrayRecord({"layout": Array(layout.copy()), "float32": Array(values)})
+        out[str(i)] = ArrayRecord({"layout": Array(layout.copy()), "float32": Array(values.reshape(-1))})
     return out
 
 
