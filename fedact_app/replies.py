@@ -138,12 +138,14 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
         raise ReplyError(f"{key!r}: not a readable packed record ({err})") from None
     if entries.keys() != expected.keys():
         missing, extra = expected.keys() - entries.keys(), entries.keys() - expected.keys()
-        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {[n[:80] for n in sorted(extra)[:3]]})")
+        extra_names = [name[:80] for name in sorted(extra)[:3]]  # a client's names, cut for the log
+        raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {extra_names})")
     order = list(dict.fromkeys([*first, *expected]))
     for name in order:
         entry, want = entries[name], expected[name]
         if entry.shape != tuple(want.shape) or entry.dtype != _numpy_name(want.dtype):
-            raise ReplyError(f"{key!r}[{name!r}]: {str(entry.shape)[:80]} {entry.dtype[:80]}, expected {tuple(want.shape)} {want.dtype}")
+            raise ReplyError(f"{key!r}[{name!r}]: {str(entry.shape)[:80]} {entry.dtype[:80]}, expected "
+                             f"{tuple(want.shape)} {want.dtype}")
     dtype = expected[order[0]].dtype if order else None
     packed = [n for n in order if expected[n].dtype == dtype] if dtype is not None and dtype.is_floating_point else []
     tensors = {}
@@ -152,9 +154,12 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
         vector = pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)
         _copy_runs(vector.numpy(), [entries[n] for n in packed], values)
         tensors = views(vector.to(device), packed, [expected[n].shape for n in packed])
-    in_vector = set(packed)
-    single = {name: torch.from_numpy(values[e.dtype][e.offset:e.end].reshape(e.shape).copy()).to(device)
-              for name, e in ((n, entries[n]) for n in order if n not in in_vector)}
+    single, in_vector = {}, set(packed)
+    for name in order:
+        if name not in in_vector:
+            entry = entries[name]
+            host = values[entry.dtype][entry.offset:entry.end].reshape(entry.shape).copy()
+            single[name] = torch.from_numpy(host).to(device)
     tensors.update(single)
     lead = list(first)[:consecutive(tensors, list(first))] if tensors else []
     norm = vector_norms([as_vector(tensors, lead)])[0] if lead == list(first) and lead else None

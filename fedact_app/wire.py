@@ -135,7 +135,8 @@ def packed_entries(record: ArrayRecord) -> tuple[dict[str, Entry], dict[str, np.
     an array of another dtype (this machine's byte order) or size than its tensors, or an array
     no tensor lies in."""
     if LAYOUT not in record:
-        raise ValueError(f"no {LAYOUT!r} entry (entries {[key[:80] for key in sorted(record)[:3]]}): not a packed record")
+        keys = [key[:80] for key in sorted(record)[:3]]  # a client's names, cut for the log
+        raise ValueError(f"no {LAYOUT!r} entry (entries {keys}): not a packed record")
     raw = npy_values(record[LAYOUT])
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise ValueError(f"its {LAYOUT!r} is {raw.shape} {raw.dtype}, not UTF-8 bytes")
