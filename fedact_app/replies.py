@@ -152,7 +152,7 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     if packed:
         numel = sum(expected[n].numel() for n in packed)
         vector = pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)
-        _copy_runs(vector.numpy(), [entries[n] for n in packed], values)
+        _copy_runs(vector.numpy(), [entries[n] for n in packed], values[_numpy_name(dtype)])
         tensors = views(vector.to(device), packed, [expected[n].shape for n in packed])
     single, in_vector = {}, set(packed)
     for name in order:
@@ -176,19 +176,19 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     return tensors, norm
 
 
-def _copy_runs(target: np.ndarray, entries: Sequence[Entry], values: dict[str, np.ndarray]) -> None:
-    """Copy the entries' values one after the other into ``target``: one copy for each run of
-    entries that also lie one after the other in one of the record's arrays."""
-    runs: list[list] = []  # [dtype, start, end] in the record
+def _copy_runs(target: np.ndarray, entries: Sequence[Entry], source: np.ndarray) -> None:
+    """Copy the entries' values, all in ``source`` (the record's array of their dtype), one after
+    the other into ``target``: one copy for each run of entries that lie one after the other in
+    ``source`` too."""
+    runs: list[list[int]] = []  # [start, end] in source
     for entry in entries:
-        if runs and runs[-1][0] == entry.dtype and runs[-1][2] == entry.offset:
-            runs[-1][2] = entry.end
+        if runs and runs[-1][1] == entry.offset:
+            runs[-1][1] = entry.end
         else:
-            runs.append([entry.dtype, entry.offset, entry.end])
+            runs.append([entry.offset, entry.end])
     start = 0
-    for dtype, first, end in runs:
-        if end > first:
-            np.copyto(target[start:start + end - first], values[dtype][first:end])
+    for first, end in runs:
+        np.copyto(target[start:start + end - first], source[first:end])
         start += end - first
 
 
