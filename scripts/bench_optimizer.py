@@ -15,6 +15,8 @@ side by side, ``step()`` of
 - ``FedACT unfused`` — the defaults with ``fused=False`` (without torch's fused AdamW/SGD
   kernels for m, v, u and the update, which are on by default for CPU and CUDA parameters),
   the comparison that decides that default;
+- ``FedACT launched`` (CUDA only) — the defaults with ``cuda_graph=False``: the selection's
+  kernels launched one by one instead of replayed as one CUDA graph;
 - with ``--compile``, ``FedACT compiled`` — the defaults with ``compile=True``.
 
 Every optimizer owns a copy of the parameters with fixed random gradients; the FedACT ones start
@@ -26,7 +28,8 @@ scratch, counted once per storage); on CUDA also the transient peak of one step 
 (``torch.cuda.max_memory_allocated``).
 
 Then the whole train step, forward + backward + step (batch ``--batch`` at the dataset's image
-size, random data), for AdamW foreach and FedACT global (and compiled), interleaved the same way.
+size, random data), for AdamW foreach and FedACT global (on CUDA also AdamW fused and FedACT
+launched; and compiled), interleaved the same way.
 With ``--compile-model MODE`` also ``FedACT compiled model``: FedACT global with the forward and
 backward through ``torch.compile(model, mode=MODE, dynamic=False)``, as the run config's
 ``compile_model`` does; its first step (the compilation) is timed apart, before the warm-up, and
@@ -73,6 +76,8 @@ def optimizers(device: torch.device, compiled: bool = False
     if device.type == "cuda":
         makers["AdamW fused"] = lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01, fused=True)
     makers["FedACT unfused"] = lambda ps: FedACTAdamW(ps, lr=3e-4, fused=False)
+    if device.type == "cuda":
+        makers["FedACT launched"] = lambda ps: FedACTAdamW(ps, lr=3e-4, cuda_graph=False)
     if compiled:
         makers["FedACT compiled"] = lambda ps: FedACTAdamW(ps, lr=3e-4, compile=True)
     return makers
@@ -184,7 +189,8 @@ def bench_train_step(model0: torch.nn.Module, shape: tuple[int, ...], num_classe
     labels = torch.randint(0, num_classes, (shape[0],), generator=gen).to(device)
     makers = optimizers(device, compiled)
     makers[COMPILED_MODEL] = makers["FedACT global"]
-    names = [REFERENCE, "FedACT global"] + ["FedACT compiled"] * compiled + [COMPILED_MODEL] * bool(compile_model)
+    names = ([REFERENCE, "FedACT global"] + ["AdamW fused", "FedACT launched"] * (device.type == "cuda")
+             + ["FedACT compiled"] * compiled + [COMPILED_MODEL] * bool(compile_model))
     fns = {}
     for i, name in enumerate(names):
         model = copy.deepcopy(model0).to(device).train()

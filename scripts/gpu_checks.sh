@@ -25,6 +25,10 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-checks}
 mkdir -p "$out"
 [ -f .gpu/setup.sh ] && source .gpu/setup.sh
+if [ -d /tmp/site/ray ] && ! command -v ray >/dev/null; then  # the kit's Ray comes without its console script
+    printf '#!%s\nfrom ray.scripts.scripts import main\nmain()\n' "$(command -v python3)" >/tmp/site/bin/ray
+    chmod +x /tmp/site/bin/ray
+fi
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 
 step() {  # step NAME SECONDS COMMAND...: run COMMAND under a timeout, log to $out/NAME.log

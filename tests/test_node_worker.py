@@ -206,7 +206,9 @@ def test_a_hung_worker_is_stopped_after_the_messages_deadline(workers, monkeypat
     monkeypatch.setattr(forward, "REPLY_GRACE", 0.5)
     hang = f"{RUN} round_timeout=4 debug.fail_partitions=[0] debug.fail_rounds=[1] debug.hang_seconds=60"
     warm = context(overrides=hang)
-    assert not forward.forward("train", train_message(2, hang), warm).has_error()  # started, warm
+    warm_up = forward.forward("train", train_message(2, hang), warm)  # the worker starts, and stays warm
+    # where its start outlasts the 4 s round_timeout (a loaded machine), it skips this first message
+    assert not warm_up.has_error() or "reached the node" in warm_up.error.reason, warm_up.error
     started = time.monotonic()
     with pytest.raises(forward.WorkerLost, match="still working on the message 0.5 s after its deadline"):
         forward.forward("train", train_message(1, hang), warm)

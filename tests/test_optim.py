@@ -550,11 +550,27 @@ def test_bfloat16_params_keep_bfloat16_state():
     (dict(trust_scope="layer"), "trust_scope", "layer"),
     (dict(trust_signal="cautious"), "trust_signal", "cautious"),
     (dict(fused="yes"), "fused", "'yes'"),
+    (dict(cuda_graph=None), "cuda_graph", "None"),
 ])
 def test_constructor_validation(kwargs, argument, value):
     with pytest.raises(ValueError, match=f"Invalid {argument}") as info:
         FedACTAdamW(make_params(), **kwargs)
     assert value in str(info.value) and "expected" in str(info.value)  # the bad value and the range
+
+
+def test_cuda_graph_survives_a_copy_and_is_ignored_off_cuda(monkeypatch):
+    """``cuda_graph`` is kept by a deep copy (``__getstate__``), and a CPU selection, also the
+    device engine's (numpy hidden), never captures a graph."""
+    monkeypatch.setattr(topk, "np", None)
+    params = make_params()
+    opt = FedACTAdamW(params, **BASE, cuda_graph=False)
+    assert copy.deepcopy(opt).cuda_graph is False and copy.deepcopy(FedACTAdamW(params)).cuda_graph is True
+    opt = FedACTAdamW(params, **BASE)
+    for _ in range(3):
+        set_grads(params, [torch.randn_like(p) for p in params])
+        opt.step()
+    ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
+    assert not selector.radix.cuda_graph and selector.radix._graph is None
 
 
 def test_constructor_validation_lists_allowed_values():
@@ -799,7 +815,7 @@ def test_device_selection_scratch_is_the_direction_buffer_when_dtypes_agree(seco
             set_grads(params, step_grads)
             opt.step()
             ref.step(step_grads)
-            ((selector, _),) = opt._workspace.selections(opt.param_groups)
+            ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
             scratches.add(selector.radix.scratch.data_ptr())
     assert_matches(params, ref, rtol=1e-5, atol=1e-6)
     lends = second_dtype == torch.float64
@@ -1064,6 +1080,38 @@ def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_sco
                 torch.cuda.set_sync_debug_mode("default")
             ref.step(step_grads)
     assert_matches([p.cpu() for p in on_gpu], ref)
+
+
+@needs_cuda
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_graph_replays_the_selection_bit_for_bit(trust_scope, dtype):
+    """The selection replayed as a CUDA graph (the default) against the same operations launched
+    one by one (cuda_graph=False), on the same steps: parameters equal bit for bit after every
+    step, through the capture (a layout's second step), replays over rounds, new trust settings
+    (tau, a new selection) and a new layout (a parameter without a gradient); the graph is
+    captured at the second step of each layout (a new selection starts launched again)."""
+    kw = {**BASE, "trust_scope": trust_scope}
+    params = make_params(dtype=dtype)
+    twins = [[p.detach().cuda().requires_grad_() for p in params] for _ in range(2)]
+    graphed, launched = FedACTAdamW(twins[0], **kw), FedACTAdamW(twins[1], **kw, cuda_graph=False)
+    rounds = make_rounds(params, n_rounds=3, steps=4, global_steps=[0, 7, 15], zero_frac=0.3)
+    for r, (v_bar, delta_g, gs, grads) in enumerate(rounds):
+        for opt, on_gpu in ((graphed, twins[0]), (launched, twins[1])):
+            if r == 1:
+                for group in opt.param_groups:
+                    group["tau"] = 0.25
+            opt.begin_round(v_bar=[t.cuda() for t in v_bar], delta_g=[t.cuda() for t in delta_g], global_step=gs)
+        for k, step_grads in enumerate(grads):
+            for opt, on_gpu in ((graphed, twins[0]), (launched, twins[1])):
+                for i, (p, g) in enumerate(zip(on_gpu, step_grads)):
+                    p.grad = None if (r == 2 and i == 0) else g.cuda()
+                opt.step()
+            for a, b in zip(*twins):
+                assert torch.equal(a, b), (r, k)
+            radix = [sel.radix for opt in (graphed, launched)
+                     for sel, _ in opt._workspace.selections(opt.param_groups, opt.cuda_graph)]
+            assert (radix[0]._graph is not None) == (k > 0) and radix[1]._graph is None, (r, k)
 
 
 @needs_cuda

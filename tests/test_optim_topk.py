@@ -122,6 +122,23 @@ def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
     assert finished == [1]  # the other thread's run had ended before the error came out
 
 
+def test_the_selection_threads_hold_their_scratch_before_their_first_task(monkeypatch):
+    """Every thread of the host selection's pool is started with its chunk scratch when the pool
+    is made, so no later step allocates one, whichever threads its tasks land on (on a
+    16-core machine steps after the first allocated a thread's 1 MiB where the pool had started
+    threads on demand)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(topk, "_POOL", {})
+    seen = topk.host_map(lambda _: (threading.get_ident(), getattr(topk._SCRATCH, "n", None)), range(8), [1] * 8)
+    (pool,) = topk._POOL.values()
+    try:
+        assert len(pool._threads) == 7
+        on_pool = [n for ident, n in seen if ident != threading.get_ident()]
+        assert on_pool and all(n == topk._HOST_CHUNK for n in on_pool), seen
+    finally:
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-radix"])
 def test_top_k_indicator_on_small_tensors_of_every_dtype(on_host, monkeypatch):
     """The public function on small 1-D tensors (one np.partition, no bracket), float32 and

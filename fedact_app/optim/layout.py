@@ -214,21 +214,21 @@ class Workspace:
         state tensor still one of its views."""
         return self.key == self._key(groups, present) and all(run.holds(state) for run in self.runs)
 
-    def selections(self, groups: list[dict]) -> list[tuple[TopKSelector, list[dict]]]:
+    def selections(self, groups: list[dict], cuda_graph: bool) -> list[tuple[TopKSelector, list[dict]]]:
         """The top-k selections of this step, each with the param group of every segment (whose
-        tau, alpha, gamma and scale_matched it takes); kept while the trust settings stay the
-        same."""
-        settings = tuple(tuple(g[key] for key in TRUST_KEYS) for g in groups)
+        tau, alpha, gamma and scale_matched it takes); kept while the trust settings and
+        ``cuda_graph`` (:class:`TopKSelector`) stay the same."""
+        settings = (tuple(tuple(g[key] for key in TRUST_KEYS) for g in groups), cuda_graph)
         if settings != self._selections[0]:
-            self._selections = (settings, self._build_selections(groups))
+            self._selections = (settings, self._build_selections(groups, cuda_graph))
         return self._selections[1]
 
-    def _build_selections(self, groups: list[dict]) -> list[tuple[TopKSelector, list[dict]]]:
+    def _build_selections(self, groups: list[dict], cuda_graph: bool) -> list[tuple[TopKSelector, list[dict]]]:
         if groups and groups[0]["trust_scope"] == "global":
             if len(self.scores) > 1:
                 raise RuntimeError("trust_scope='global' ranks all coordinates together and needs every "
                                    "parameter with a gradient on one device; use trust_scope='tensor'")
-            return [(TopKSelector(scores, [0, scores.numel()], self.scratch.get(device)), [groups[0]])
+            return [(TopKSelector(scores, [0, scores.numel()], self.scratch.get(device), cuda_graph), [groups[0]])
                     for device, scores in self.scores.items()]
         selections = []
         for device, runs in self.scored.items():
@@ -237,5 +237,5 @@ class Workspace:
                 for p in run.params:
                     bounds.append(bounds[-1] + p.numel())
                     owners.append(groups[run.group])
-            selections.append((TopKSelector(self.scores[device], bounds, self.scratch.get(device)), owners))
+            selections.append((TopKSelector(self.scores[device], bounds, self.scratch.get(device), cuda_graph), owners))
         return selections

@@ -81,10 +81,13 @@ class TopKSelector:
     the host, the fixed random sample of every segment of at least ``_BRACKET_MIN`` scores (the
     chunk scratch lives per thread, :func:`_chunk_scratch`). ``scratch``: d elements as wide as
     the scores for the device engine's codes (the flat direction buffer, layout.py), or ``None``
-    for a buffer of its own.
+    for a buffer of its own. ``cuda_graph``: on a CUDA device, the device engine's kernels are
+    captured as one CUDA graph at the second selection and replayed from then on
+    (:class:`_RadixSelect`); ignored elsewhere.
     """
 
-    def __init__(self, scores: Tensor, bounds: Sequence[int], scratch: Optional[Tensor] = None) -> None:
+    def __init__(self, scores: Tensor, bounds: Sequence[int], scratch: Optional[Tensor] = None,
+                 cuda_graph: bool = False) -> None:
         if list(bounds[:1]) != [0] or bounds[-1] != scores.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"Invalid bounds: expected 0 <= ... <= {scores.numel()}, got {list(bounds)}")
         self.scores = scores
@@ -94,7 +97,7 @@ class TopKSelector:
             self.draws = [0] * (len(self.bounds) - 1)  # samples drawn per segment; a miss draws anew
             self.samples = [self.draw_sample(j) for j in range(len(self.draws))]
         else:
-            self.radix = _RadixSelect(scores, self.bounds, scratch)
+            self.radix = _RadixSelect(scores, self.bounds, scratch, cuda_graph)
 
     def sizes(self) -> list[int]:
         """The number of scores in every segment."""
@@ -259,7 +262,7 @@ def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     key = (os.getpid(), workers - 1)  # a forked child builds its own pool
     if key not in _POOL:
         _POOL.clear()
-        _POOL[key] = ThreadPoolExecutor(workers - 1, thread_name_prefix="fedact-select")
+        _POOL[key] = _started_pool(workers - 1)
     runs = _balanced_runs(sizes, workers)
     pending = [_POOL[key].submit(lambda run=run: [fn(items[i]) for i in run]) for run in runs[1:]]
     try:
@@ -269,6 +272,18 @@ def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     for future in pending:
         results.extend(future.result())
     return results
+
+
+def _started_pool(n: int) -> ThreadPoolExecutor:
+    """A pool of ``n`` threads, every one started and holding its chunk scratch
+    (:func:`_chunk_scratch`). A ThreadPoolExecutor starts a thread only when no started one is
+    idle, and a thread makes its scratch at its first task: with threads started on demand, a
+    step after the first could still start one and allocate its scratch (1 MiB a thread)."""
+    pool = ThreadPoolExecutor(n, thread_name_prefix="fedact-select", initializer=_chunk_scratch,
+                              initargs=(_HOST_CHUNK,))
+    started = threading.Barrier(n, timeout=60)  # each task holds its thread until all n run
+    wait([pool.submit(started.wait) for _ in range(n)])
+    return pool
 
 
 def _balanced_runs(sizes: Sequence[int], n: int) -> list[range]:
@@ -308,9 +323,16 @@ class _RadixSelect:
     ``torch.topk`` is not used: its outputs hold ``12 min(k, d-k+1)`` bytes (about 6 d at
     tau = 0.5), its CUDA launches happen once per segment, and the tie-break it needs cost a
     d-sized cast in ``torch.cumsum``.
+
+    ``cuda_graph`` (CUDA only): the operations are the same at every selection (the buffers, the
+    segments and the ks are fixed; no branch depends on the scores), so the second selection
+    captures them as one CUDA graph (:func:`_captured`) and every later one replays it: one
+    launch instead of about 140 that each cost the host a few microseconds, and the same
+    kernels on the same memory, so the same result bit for bit. The first selection runs them
+    one by one, which also loads each kernel before any capture. New ks mean a new capture.
     """
 
-    def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor]) -> None:
+    def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor], cuda_graph: bool) -> None:
         if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
             raise RuntimeError("the device top-k reads the scores' bytes as little-endian")
         device, n_seg = scores.device, len(bounds) - 1
@@ -338,12 +360,27 @@ class _RadixSelect:
         self.bin_top = (width * (3 * seg + 2) - self.lanes).to(self.key_dtype)
         self.bin_next = (width * (3 * seg + 3)).to(self.key_dtype)
         self._ks: tuple[tuple[int, ...], Optional[Tensor]] = ((), None)
+        self.cuda_graph = cuda_graph and device.type == "cuda"
+        self._graph: Optional["torch.cuda.CUDAGraph"] = None
+        self._loaded = False  # whether the operations have run once (every kernel loaded)
 
     def indicator_(self, ks: Sequence[int]) -> None:
         if self.scores.numel() == 0:
             return
         if tuple(ks) != self._ks[0]:  # ks change only with the trust settings: one copy then
             self._ks = (tuple(ks), _on_device(list(ks), torch.int64, self.scores.device))
+            self._graph = None  # a graph reads the ks of the tensor it was captured with
+        if self._graph is not None:
+            self._graph.replay()
+        elif self.cuda_graph and self._loaded:
+            self._graph = _captured(self._select, self.scores.device)
+            self._graph.replay()
+        else:
+            self._select()
+            self._loaded = True
+
+    def _select(self) -> None:
+        """The selection's operations (class docstring), for the ks of ``self._ks``."""
         need = ties = self._ks[1]
         self._keys()
         codes = self.scratch
@@ -407,6 +444,25 @@ class _RadixSelect:
         codes.add_(count.bitwise_and_(1))
         torch.ge(codes, 2, out=codes)
         self.scores.copy_(codes)
+
+
+def _captured(fn: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":
+    """``fn``'s CUDA operations captured (not run) as one graph, on a side stream that first waits
+    for the current stream's work; replayed on the current stream. The temporaries ``fn`` makes
+    come from the graph's own memory pool and are kept for its replays. Neither the capture nor
+    a replay waits for the device."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")  # other threads' CUDA calls stay legal
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    current.wait_stream(side)
+    return graph
 
 
 def _lanes(d: int, n_seg: int) -> int:
