@@ -9,6 +9,7 @@ consecutive, else a copy (``torch.cat``). Plain torch, no Flower types.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -64,20 +65,27 @@ class VectorPool:
     handed out, once nothing reads them any more (the next round). The first write to a new
     vector costs a page fault per 4 KiB page: on the 2-vCPU AMD EPYC VM of docs/PERFORMANCE.md,
     copying 10 ViT-Tiny replies (delta and v, 216 MB) into new vectors took 76-80 ms, into reused
-    ones 12-13 ms. ``pin``: page-locked vectors, the staging of a copy to a GPU."""
+    ones 12-13 ms. ``pin``: page-locked vectors, the staging of a copy to a GPU. Threads may take
+    vectors at the same time (replies are decoded on several)."""
 
     def __init__(self, pin: bool = False) -> None:
         self.pin = pin
         self._free: dict[tuple[int, torch.dtype], list[Tensor]] = {}
         self._taken: list[Tensor] = []
+        self._lock = threading.Lock()
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        free = self._free.get((numel, dtype))
-        vector = free.pop() if free else torch.empty(numel, dtype=dtype, pin_memory=self.pin)
-        self._taken.append(vector)
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            vector = free.pop() if free else None
+        if vector is None:  # allocated outside the lock: pinning 10 MB takes a while
+            vector = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+        with self._lock:
+            self._taken.append(vector)
         return vector
 
     def recycle(self) -> None:
-        for vector in self._taken:
-            self._free.setdefault((vector.numel(), vector.dtype), []).append(vector)
-        self._taken.clear()
+        with self._lock:
+            for vector in self._taken:
+                self._free.setdefault((vector.numel(), vector.dtype), []).append(vector)
+            self._taken.clear()

@@ -9,9 +9,11 @@ the trainable parameters, the metrics a client sends) of the model's real shapes
 values; the server's cost does not depend on them), built once as the ServerApp receives them:
 Flower ``RecordDict`` objects. Each repeat times, in turn:
 
-- decode + checks: ``fedact_app.replies.decode_update`` of every reply (the arrays out of the
-  records into one vector per key, reused from round to round as the strategy reuses them;
-  names/shapes/dtypes, finiteness and the norms in one pass, v >= 0, the metrics);
+- decode + checks: ``fedact_app.replies.decode_updates`` of the replies, on torch's threads as
+  the strategy decodes them (the arrays out of the records into one vector per key, reused from
+  round to round as the strategy reuses them; names/shapes/dtypes, finiteness and the norms in
+  one pass, v >= 0, the metrics);
+- decode, one thread: the same, ``decode_update`` of one reply after the other;
 - acceptance: the round-relative bounds over the decoded replies (``update_ratios``,
   ``moment_outliers``, from the norms measured in decoding);
 - aggregate: the rule's ``FedACTServer.aggregate`` (x + mean(Delta_i), Delta_G, v_bar);
@@ -50,16 +52,13 @@ from flwr.app import Message, Metadata, MessageType, MetricRecord, RecordDict  #
 from fedact_app.algorithms import ALGORITHMS  # noqa: E402
 from fedact_app.diagnostics import vector_norms, vectors_direction_consistency  # noqa: E402
 from fedact_app.packing import as_vector  # noqa: E402
-from fedact_app.replies import decode_update, moment_outliers, update_ratios  # noqa: E402
+from fedact_app.replies import ReplyError, decode_update, decode_updates, moment_outliers, update_ratios  # noqa: E402
 from bench_aggregation import fedact_state, updates_of  # noqa: E402  (scripts/)
 from bench_run import machine  # noqa: E402  (scripts/)
 from interleaved import interleaved, print_medians  # noqa: E402  (scripts/)
 from fedact_app.strategy import AlgorithmStrategy  # noqa: E402
 from fedact_app.train import resolve_device  # noqa: E402
 from fedact_app.wire import packed_record  # noqa: E402
-
-PIECES = ("decode + checks", "acceptance", "aggregate", "DC + ||Delta_G||")
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,6 +102,14 @@ class Round:
 
     def decode(self):
         self.strategy.vectors.recycle()  # as the strategy does: each round into the last round's vectors
+        updates = decode_updates(self.replies, self.x, self.rule.reply_keys, self.trainable,
+                                 self.rule.nonnegative_keys, pool=self.strategy.vectors)
+        if refused := [u for u in updates if isinstance(u, ReplyError)]:
+            raise RuntimeError(f"a reply was refused: {refused[0]}")
+        return updates
+
+    def decode_one_thread(self):
+        self.strategy.vectors.recycle()
         return [decode_update(c, self.x, self.rule.reply_keys, self.trainable, self.rule.nonnegative_keys,
                               pool=self.strategy.vectors) for c in self.replies]
 
@@ -132,8 +139,8 @@ def main(argv: list[str]) -> None:
     device = resolve_device(args.device, "server_device")
     run = Round(cfg, x, trainable, replies_of(x, trainable, args.clients), device)
     deltas = [as_vector(u.delta, trainable) for u in run.updates]
-    pieces = {"decode + checks": run.decode, "acceptance": run.accept, "aggregate": run.aggregate,
-              "DC + ||Delta_G||": run.diagnostics, "server round": run.whole,
+    pieces = {"decode + checks": run.decode, "decode, one thread": run.decode_one_thread, "acceptance": run.accept,
+              "aggregate": run.aggregate, "DC + ||Delta_G||": run.diagnostics, "server round": run.whole,
               "floor: stack(S x d).sum(0)": lambda: torch.stack(deltas).sum(0)}
     times = interleaved(pieces, args.repeats, device)
     d = sum(x[n].numel() for n in trainable)

@@ -1,10 +1,14 @@
 """A reply's records decoded and checked, on real Flower record types (fedact_app.replies)."""
 
+import threading
+
 import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from fedact_app.replies import ReplyError, decode_update, record_bytes
+import fedact_app.optim.topk as topk
+from fedact_app.packing import VectorPool
+from fedact_app.replies import ReplyError, decode_update, decode_updates, record_bytes
 from fedact_app.wire import packed_record
 
 STATE = {"w": torch.zeros(2, 3), "bn.running_mean": torch.zeros(3), "bn.n": torch.tensor(0)}
@@ -49,3 +53,40 @@ def test_bad_replies_are_rejected_with_the_reason(content, needle):
     with pytest.raises(ReplyError) as err:
         decode_update(content, STATE, ("v",), TRAINABLE)
     assert needle in str(err.value)
+
+
+def test_replies_decoded_on_threads_come_back_in_order_each_as_decoded_alone(monkeypatch):
+    """decode_updates on 4 threads: every reply's update equal to its own decode_update, in the
+    replies' order, a refused reply's ReplyError in its place, each update in vectors of its own
+    (the pool handed no vector out twice), and the work really on several threads."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(topk, "_POOL", {})
+    gen = torch.Generator().manual_seed(3)
+    contents = [reply(delta={k: torch.randn(t.shape, generator=gen) if t.is_floating_point() else t + i
+                             for k, t in STATE.items()}) for i in range(8)]
+    contents[5] = reply(v={"w": torch.full((2, 3), -1.0)})
+    threads = set()
+    real_decode = decode_update
+
+    def noting_thread(*args, **kwargs):
+        threads.add(threading.get_ident())
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr("fedact_app.replies.decode_update", noting_thread)
+    pool = VectorPool()
+    try:
+        updates = decode_updates(contents, STATE, ("v",), TRAINABLE, ("v",), pool=pool)
+    finally:
+        for executor in topk._POOL.values():
+            executor.shutdown()
+    assert len(threads) > 1  # the calling thread and at least one of the pool (which ones: the pool decides)
+    assert isinstance(updates[5], ReplyError) and "negative values" in str(updates[5])
+    for i, (content, update) in enumerate(zip(contents, updates)):
+        if i == 5:
+            continue
+        alone = real_decode(content, STATE, ("v",), TRAINABLE, ("v",))
+        for name in STATE:
+            assert torch.equal(update.delta[name], alone.delta[name]), (i, name)
+        assert torch.equal(update.arrays["v"]["w"], alone.arrays["v"]["w"]) and update.norms == alone.norms
+    vectors = [u.delta["w"].data_ptr() for u in updates if not isinstance(u, ReplyError)]
+    assert len(set(vectors)) == len(vectors)
