@@ -126,13 +126,14 @@ def decode_updates(contents: Sequence[RecordDict], state: TensorDict, reply_keys
     replies a thread, :func:`fedact_app.optim.topk.host_map`): copying a reply's bytes and its
     norms' passes release the GIL, so a round's copies run on the cores side by side (10 ViT-Tiny
     replies, 216 MB, on the 2-vCPU AMD EPYC VM: docs/PERFORMANCE.md). Each reply is decoded as
-    alone, so the updates are the same whatever the threads."""
+    alone, so the updates are the same whatever the threads. An exception other than
+    ``ReplyError`` (a defect, not a bad reply) comes out of this call."""
     def decoded(content: RecordDict) -> ClientUpdate | ReplyError:
         try:
             return decode_update(content, state, reply_keys, trainable, nonnegative, max_update_norm, terms,
                                  pool=pool)
         except ReplyError as err:
-            return err
+            return err.with_traceback(None)  # its frames would hold the reply's arrays until the round ends
 
     return host_map(decoded, contents, [1] * len(contents))
 

@@ -7,6 +7,7 @@ lowest index.
 import math
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -120,6 +121,52 @@ def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
     with pytest.raises(KeyError):
         topk.host_map(fail_here_finish_there, [0, 1], [1, 1])
     assert finished == [1]  # the other thread's run had ended before the error came out
+
+
+def _forced_graph_selector(monkeypatch, capturing):
+    """A device-engine selector on the CPU (numpy hidden) with its CUDA graph forced on, the
+    stream's capture state mocked, and scores to select from."""
+    monkeypatch.setattr(topk, "np", None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    s = torch.randn(1000, generator=torch.Generator().manual_seed(9))
+    selector = topk.TopKSelector(s.clone(), [0, 400, 1000], cuda_graph=True)
+    selector.radix.cuda_graph = True  # as on a CUDA device
+    return selector, s
+
+
+def test_a_selection_whose_capture_fails_warns_once_and_launches_its_operations(monkeypatch):
+    """A capture that raises (an operation a CUDA graph cannot hold) warns once, naming the
+    setting, and the selections go on exact with their operations launched one by one."""
+    selector, s = _forced_graph_selector(monkeypatch, capturing=False)
+    captures = []
+
+    def failing_capture(fn, device):
+        captures.append(device)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(topk, "_captured", failing_capture)
+    want = torch.cat([_stable_top_k(s[:400], 100), _stable_top_k(s[400:], 300)])
+    with pytest.warns(RuntimeWarning, match=r"cuda_graph=True.*not permitted.*launched one by one"):
+        for _ in range(4):
+            selector.scores.copy_(s)
+            selector.indicator_([100, 300])
+            assert torch.equal(selector.scores, want)
+    assert len(captures) == 1 and not selector.radix.cuda_graph
+
+
+def test_a_selection_inside_the_callers_capture_is_not_captured_again(monkeypatch):
+    """Where the caller captures the whole step (the stream is capturing), the selection's
+    operations run into the caller's graph: no graph of its own, no warning."""
+    selector, s = _forced_graph_selector(monkeypatch, capturing=True)
+    monkeypatch.setattr(topk, "_captured", lambda fn, device: pytest.fail("captured inside a capture"))
+    want = torch.cat([_stable_top_k(s[:400], 100), _stable_top_k(s[400:], 300)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            selector.scores.copy_(s)
+            selector.indicator_([100, 300])
+            assert torch.equal(selector.scores, want)
+    assert selector.radix._graph is None and selector.radix.cuda_graph
 
 
 def test_the_selection_threads_hold_their_scratch_before_their_first_task(monkeypatch):

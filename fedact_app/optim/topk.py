@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Optional, Sequence
 
@@ -256,15 +257,13 @@ def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     the second core gave (docs/PERFORMANCE.md)."""
     if len(sizes) != len(items):
         raise ValueError(f"host_map: {len(sizes)} sizes for {len(items)} items")
-    workers = min(torch.get_num_threads(), len(items))
+    threads = torch.get_num_threads()
+    workers = min(threads, len(items))
     if workers <= 1:
         return [fn(x) for x in items]
-    key = (os.getpid(), workers - 1)  # a forked child builds its own pool
-    if key not in _POOL:
-        _POOL.clear()
-        _POOL[key] = _started_pool(workers - 1)
+    pool = _pool(threads - 1)
     runs = _balanced_runs(sizes, workers)
-    pending = [_POOL[key].submit(lambda run=run: [fn(items[i]) for i in run]) for run in runs[1:]]
+    pending = [pool.submit(lambda run=run: [fn(items[i]) for i in run]) for run in runs[1:]]
     try:
         results = [fn(items[i]) for i in runs[0]]
     finally:  # also when this thread's run raised: no task may go on writing the step's scratch
@@ -272,6 +271,23 @@ def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     for future in pending:
         results.extend(future.result())
     return results
+
+
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """This process's pool of ``n`` threads (torch's threads but the caller's), made once per
+    thread count (a forked child makes its own)."""
+    key = (os.getpid(), n)
+    with _POOL_LOCK:
+        if key not in _POOL:
+            for (pid, _), old in _POOL.items():
+                if pid == key[0]:  # a forked child's copy of its parent's pool has no threads to stop
+                    old.shutdown(wait=False)
+            _POOL.clear()
+            _POOL[key] = _started_pool(n)
+        return _POOL[key]
 
 
 def _started_pool(n: int) -> ThreadPoolExecutor:
@@ -330,6 +346,8 @@ class _RadixSelect:
     launch instead of about 140 that each cost the host a few microseconds, and the same
     kernels on the same memory, so the same result bit for bit. The first selection runs them
     one by one, which also loads each kernel before any capture. New ks mean a new capture.
+    Inside a capture of the caller's (the whole step in a graph) the operations go into that
+    graph; a capture that fails warns once and leaves the operations launched one by one.
     """
 
     def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor], cuda_graph: bool) -> None:
@@ -370,11 +388,20 @@ class _RadixSelect:
         if tuple(ks) != self._ks[0]:  # ks change only with the trust settings: one copy then
             self._ks = (tuple(ks), _on_device(list(ks), torch.int64, self.scores.device))
             self._graph = None  # a graph reads the ks of the tensor it was captured with
-        if self._graph is not None:
+        if self.cuda_graph and torch.cuda.is_current_stream_capturing():
+            self._select()  # the caller captures the step in a graph of its own: these go into it
+        elif self._graph is not None:
             self._graph.replay()
         elif self.cuda_graph and self._loaded:
-            self._graph = _captured(self._select, self.scores.device)
-            self._graph.replay()
+            try:
+                self._graph = _captured(self._select, self.scores.device)
+            except RuntimeError as err:  # as compile=True does: warn once, then the eager operations
+                self.cuda_graph = False
+                warnings.warn(f"FedACTAdamW(cuda_graph=True): the selection could not be captured as a CUDA "
+                              f"graph ({err}); its operations are launched one by one", RuntimeWarning)
+                self._select()
+            else:
+                self._graph.replay()
         else:
             self._select()
             self._loaded = True
