@@ -233,12 +233,14 @@ def print_table(model: str, dataset: str, params: list[torch.Tensor], device: to
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{model} / {dataset}: {d:,} parameters in {len(params)} tensors; {name}{threads}")
     cuda = device.type == "cuda"
+    fused = next((r["median_ms"] for r in rows if r["name"] == "AdamW fused"), None)  # CUDA only
     header = f"{'optimizer':<15} {'median ms':>10} {'min ms':>9} {'x ' + REFERENCE:>16} {'memory MiB':>11}"
-    print(header + (f" {'step peak MiB':>14}" if cuda else ""))
+    print(header + (f" {'step peak MiB':>14}" if cuda else "") + (f" {'x AdamW fused':>14}" if fused else ""))
     for r in rows:
         line = (f"{r['name']:<15} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['ratio']:>16.2f} "
                 f"{r['held_mib']:>11.1f}")
-        print(line + (f" {r['transient_mib']:>14.1f}" if cuda else ""))
+        print(line + (f" {r['transient_mib']:>14.1f}" if cuda else "")
+              + (f" {r['median_ms'] / fused:>14.2f}" if fused else ""))
     if train:
         ref = train[REFERENCE]
         print(f"train step (forward + backward + step, batch {batch} at {image_size} px): "
