@@ -31,6 +31,8 @@ if [ -d /tmp/site/ray ] && ! command -v ray >/dev/null; then  # the kit's Ray co
     printf '#!%s\nfrom ray.scripts.scripts import main\nmain()\n' "$(command -v python3)" >/tmp/site/bin/ray
     chmod +x /tmp/site/bin/ray
 fi
+python3 -c "import optuna" 2>/dev/null || echo "no optuna here: tests/test_tune.py cannot be imported (the kit needs \
+its wheels: pip download --no-deps optuna colorlog into .gpu/whl)" | tee -a "$out/summary.txt"
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 
 step() {  # step NAME SECONDS COMMAND...: run COMMAND under a timeout, log to $out/NAME.log
