@@ -132,8 +132,9 @@ def decode_updates(contents: Sequence[RecordDict], state: TensorDict, reply_keys
         try:
             return decode_update(content, state, reply_keys, trainable, nonnegative, max_update_norm, terms,
                                  pool=pool)
-        except ReplyError as err:
-            return err.with_traceback(None)  # its frames would hold the reply's arrays until the round ends
+        except ReplyError as err:  # its frames (and its context's) would hold the reply's arrays all round
+            err.__context__ = None
+            return err.with_traceback(None)
 
     return host_map(decoded, contents, [1] * len(contents))
 

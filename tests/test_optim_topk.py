@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fedact_app.optim.topk as topk
-from fedact_app.optim import top_k_indicator_
+from fedact_app.optim import FedACTAdamW, top_k_indicator_
 
 
 def _stable_top_k(s, k):
@@ -146,12 +146,39 @@ def test_a_selection_whose_capture_fails_warns_once_and_launches_its_operations(
 
     monkeypatch.setattr(topk, "_captured", failing_capture)
     want = torch.cat([_stable_top_k(s[:400], 100), _stable_top_k(s[400:], 300)])
-    with pytest.warns(RuntimeWarning, match=r"cuda_graph=True.*not permitted.*launched one by one"):
+    with pytest.warns(RuntimeWarning, match=r"cuda_graph=True.*not permitted.*launched one by one") as record:
         for _ in range(4):
             selector.scores.copy_(s)
             selector.indicator_([100, 300])
             assert torch.equal(selector.scores, want)
-    assert len(captures) == 1 and not selector.radix.cuda_graph
+    assert len(captures) == 1 and not selector.radix.cuda_graph and len(record) == 1
+
+
+def test_a_failed_capture_warns_at_the_line_that_called_step(monkeypatch):
+    """The warning of a failed capture points at the caller of ``FedACTAdamW.step()`` (its
+    stacklevel counts the frames between them), once for the optimizer's selection."""
+    monkeypatch.setattr(topk, "np", None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def failing_capture(fn, device):
+        raise RuntimeError("no graph here")
+
+    monkeypatch.setattr(topk, "_captured", failing_capture)
+    made = topk._RadixSelect.__init__
+
+    def as_on_cuda(self, *args):
+        made(self, *args)
+        self.cuda_graph = True
+
+    monkeypatch.setattr(topk._RadixSelect, "__init__", as_on_cuda)
+    params = [torch.randn(30, requires_grad=True), torch.randn(4, 5, requires_grad=True)]
+    opt = FedACTAdamW(params, lr=1e-2)
+    with pytest.warns(RuntimeWarning, match="no graph here") as record:
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    assert len(record) == 1 and record[0].filename == __file__, record[0].filename
 
 
 def test_a_selection_inside_the_callers_capture_is_not_captured_again(monkeypatch):

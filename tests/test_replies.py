@@ -84,6 +84,7 @@ def test_replies_decoded_on_threads_come_back_in_order_each_as_decoded_alone(mon
             executor.shutdown()
     assert len(threads) > 1  # the calling thread and at least one of the pool (which ones: the pool decides)
     assert isinstance(updates[5], ReplyError) and "negative values" in str(updates[5])
+    assert updates[5].__traceback__ is None and updates[5].__context__ is None  # nothing holds its frames
     for i, (content, update) in enumerate(zip(contents, updates)):
         if i == 5:
             continue

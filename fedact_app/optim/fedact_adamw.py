@@ -116,8 +116,10 @@ class FedACTAdamW(LazyDynamoOptimizer):
             captured as one CUDA graph at the second step of a layout and replayed at every
             later step, one launch instead of 140; the same kernels, so the same result bit for
             bit (:class:`fedact_app.optim.topk.TopKSelector`). ``False``: launched one by one.
-            Ignored off CUDA; inside a capture of the caller's the operations go into that graph,
-            and a capture that fails warns once and launches them one by one.
+            Ignored off CUDA. Inside a capture of the caller's (the whole step as a graph) the
+            operations go into that graph; run a step with the same settings before capturing
+            (as ``torch.cuda.graph`` asks), since new settings copy their ks from host memory.
+            A capture that fails warns and launches the operations one by one.
 
     State per parameter: ``exp_avg`` (m), ``exp_avg_sq`` (v) and, while the round has a
     correction with ``rho > 0``, ``delta_g``; views of flat buffers (layout.py). Assigning one

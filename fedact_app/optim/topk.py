@@ -244,7 +244,7 @@ def _index_after(a: "np.ndarray", value: float, n: int) -> int:
     raise AssertionError("fewer entries equal the threshold than counted")  # pragma: no cover
 
 
-_POOL: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOL: dict[int, ThreadPoolExecutor] = {}  # by thread count
 
 
 def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
@@ -278,16 +278,24 @@ _POOL_LOCK = threading.Lock()
 
 def _pool(n: int) -> ThreadPoolExecutor:
     """This process's pool of ``n`` threads (torch's threads but the caller's), made once per
-    thread count (a forked child makes its own)."""
-    key = (os.getpid(), n)
+    thread count and kept: a thread whose torch thread count differs gets a pool of its own, and
+    none is stopped while another thread may be using it."""
     with _POOL_LOCK:
-        if key not in _POOL:
-            for (pid, _), old in _POOL.items():
-                if pid == key[0]:  # a forked child's copy of its parent's pool has no threads to stop
-                    old.shutdown(wait=False)
-            _POOL.clear()
-            _POOL[key] = _started_pool(n)
-        return _POOL[key]
+        if n not in _POOL:
+            _POOL[n] = _started_pool(n)
+        return _POOL[n]
+
+
+def _forget_pools() -> None:
+    """In a forked child: its copy of the parent's pools has no threads, and the lock may have
+    been taken by a thread that does not exist there."""
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOL.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _started_pool(n: int) -> ThreadPoolExecutor:
@@ -347,7 +355,7 @@ class _RadixSelect:
     kernels on the same memory, so the same result bit for bit. The first selection runs them
     one by one, which also loads each kernel before any capture. New ks mean a new capture.
     Inside a capture of the caller's (the whole step in a graph) the operations go into that
-    graph; a capture that fails warns once and leaves the operations launched one by one.
+    graph; a capture that fails warns and leaves this selection's operations launched one by one.
     """
 
     def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor], cuda_graph: bool) -> None:
@@ -395,10 +403,13 @@ class _RadixSelect:
         elif self.cuda_graph and self._loaded:
             try:
                 self._graph = _captured(self._select, self.scores.device)
-            except RuntimeError as err:  # as compile=True does: warn once, then the eager operations
+            except RuntimeError as err:  # as compile=True does: warn, then the eager operations
                 self.cuda_graph = False
+                # stacklevel: the caller of FedACTAdamW.step(), past this method, TopKSelector.indicator_,
+                # _modulate, fedact_step, _step, step and its two torch wrappers (a test checks it)
                 warnings.warn(f"FedACTAdamW(cuda_graph=True): the selection could not be captured as a CUDA "
-                              f"graph ({err}); its operations are launched one by one", RuntimeWarning)
+                              f"graph ({err}); its operations are launched one by one", RuntimeWarning,
+                              stacklevel=9)
                 self._select()
             else:
                 self._graph.replay()
