@@ -249,7 +249,8 @@ _POOL: dict[int, ThreadPoolExecutor] = {}  # by thread count
 
 def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     """``[fn(x) for x in items]`` on up to ``torch.get_num_threads()`` threads: the host selection
-    is numpy work that releases the GIL, so it can use the cores torch would use.
+    (and the server's decoding of replies, fedact_app.replies) is work that releases the GIL, so
+    it can use the cores torch would use.
 
     The items are cut into one run of consecutive items per thread, of about equal total
     ``sizes``; the calling thread works through the first run itself. One task per thread, not
