@@ -6,6 +6,7 @@
     python scripts/bench_round.py --paper             # the seed's round on a GPU (below)
     python scripts/bench_round.py --paper --overrides "precision=bf16"   # ... with settings of yours
     python scripts/bench_round.py --paper --num-gpus 0.5 --rounds 8      # ... and flags of yours
+    python scripts/bench_round.py --paper --mps       # ... the clients under a private CUDA MPS daemon
 
 ``--paper`` is the seed's vision round at CIFAR-100's shape, on synthetic data (no download):
 ViT-Tiny, 100 classes at 32 x 32, 50,000 training images, batch 50, 10 clients x K = 50 steps,
@@ -66,6 +67,7 @@ from fedact_app.tasks.vision.batches import BatchStream  # noqa: E402
 from fedact_app.tasks.vision.data import load_client_train  # noqa: E402
 from fedact_app.diagnostics import direction_consistency, global_norm  # noqa: E402
 from fedact_app.cli.launch import automatic_gpus, run_simulation  # noqa: E402
+from fedact_app.cli.mps import HELP as MPS_HELP  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
@@ -99,7 +101,7 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     begun = time.time()
     result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=args.clients,
                             num_cpus_per_client=args.num_cpus, num_gpus_per_client=args.num_gpus,
-                            timeout=args.timeout, env=env, cwd=output_dir)
+                            timeout=args.timeout, env=env, cwd=output_dir, mps=args.mps)
     if not result.completed:
         raise RuntimeError(f"the Flower run did not complete ({result.status}; {result.details}):\n"
                            f"{result.tail()}")
@@ -220,6 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-gpus", type=float, default=None,
                         help="GPUs per simulated client (default: the launcher's automatic share)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the Flower run")
+    parser.add_argument("--mps", action="store_true", help=MPS_HELP)
     parser.add_argument("--quick", action="store_true", help="2 clients x 5 steps, 2 rounds (a smoke run)")
     parser.add_argument("--paper", action="store_true",
                         help="the seed's round on a GPU (module docstring); --overrides are added to its own")
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(cfg.device)
     print(f"\n{cfg.algorithm.name} on {cfg.dataset.name} / {cfg.model.name}: S={cfg.num_clients} clients x "
           f"K={cfg.local_steps} steps, batch {cfg.batch_size}, {device} ({args.num_cpus} CPUs per client, "
-          f"{args.num_gpus:g} GPUs); rounds {flower[0]['round']}..{flower[-1]['round']} of {args.rounds} "
+          f"{args.num_gpus:g} GPUs{', MPS' if args.mps else ''}); rounds {flower[0]['round']}..{flower[-1]['round']} of {args.rounds} "
           f"(median); Flower run {flower_wall:.1f} s in all, start-up included")
     print(f"{'':38} {'s/round':>9} {'share':>7}")
     print(f"{'Flower simulation round':38} {flower_round:>9.3f} {'100%':>7}")

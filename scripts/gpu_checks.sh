@@ -18,6 +18,7 @@
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
 #   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
+#   round-mps       round-bf16 with the 10 clients under a private CUDA MPS daemon (--mps): kernels side by side
 #   units           the unit tests (not the Flower runs) with the GPU visible, and that pytest exits
 #   deploy          bench_deploy.py: 4 SuperNodes on the GPU, warm workers against both of Flower's floors
 #
@@ -68,13 +69,17 @@ for name in "${@:-optim server}"; do
         round-bf16)
             step bench-round-bf16 300 python3 scripts/bench_round.py --paper \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
+        round-mps)
+            command -v nvidia-cuda-mps-control >/dev/null || echo "no nvidia-cuda-mps-control on PATH" | tee -a "$out/summary.txt"
+            step bench-round-mps 300 python3 scripts/bench_round.py --paper --mps \
+                --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
         units)  # -v: every test's outcome as it ends, so a run cut short still names its failures
             step units 300 python3 -m pytest -n 4 -p no:cacheprovider -v -rfE -m "not e2e" ;;
         deploy)
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
                 --modes floor,floor-distinct,warm ;;
-        *) echo "unknown step $one: allowed optim server round round-compiled round-bf16 round-2-actors units deploy" >&2; exit 2 ;;
+        *) echo "unknown step $one: allowed optim server round round-compiled round-bf16 round-mps round-2-actors units deploy" >&2; exit 2 ;;
         esac
     done
 done

@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-parallel", type=int, default=1,
                      help="runs computing at once (default 1: one shared Ray cluster, a job starting while "
                           "the last one shuts down; N > 1: each run its own Ray cluster)")
+    run.add_argument("--mps", action="store_true", help=sweep.MPS_HELP)
     report = commands.add_parser("report", help="study.md / study.tex / figures from a study folder")
     report.add_argument("out", type=Path, help="the study folder")
     for sub in (run, report):
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.max_parallel < 1:
             parser.error(f"--max-parallel must be >= 1, got {args.max_parallel}")
-        launch = sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout, args.max_parallel)
+        launch = sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout, args.max_parallel, args.mps)
         rows = run_jobs(args.out / "jobs", jobs, launch, args.rerun)
         failed = [r for r in rows if r["status"] != "completed"]
         if failed:

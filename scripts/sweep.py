@@ -21,6 +21,8 @@ Launcher options, given before or between the Hydra overrides:
     --timeout S      seconds per run (default 86400)
     --max-parallel N runs computing at once (default 1: one Ray cluster, a job starting while the
                      last one shuts down; N > 1: each run starts its own Ray cluster)
+    --mps            clients sharing a GPU run their kernels side by side under a private CUDA MPS
+                     daemon (needs nvidia-cuda-mps-control; fedact_app/cli/mps.py)
 
 The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
 
@@ -65,6 +67,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from fedact_app.config import CONF_DIR, to_config  # noqa: E402  (also registers the schema)
 from fedact_app.cli.engine import LocalEngine  # noqa: E402
+from fedact_app.cli.mps import HELP as MPS_HELP  # noqa: E402  (study.py and tune.py use it too)
 from fedact_app.cli.resources import client_gpus  # noqa: E402
 
 DEFAULT_DIR = "sweeps/${now:%Y%m%d-%H%M%S}"
@@ -77,11 +80,12 @@ class LaunchOptions:
     num_cpus: int = 1
     timeout: float = 86400.0
     max_parallel: int = 1
+    mps: bool = False  # a private CUDA MPS daemon for the engine's clients (fedact_app.cli.mps)
 
     def engine(self) -> LocalEngine:
         """The engine the jobs share (it starts with the first job that runs); the jobs run on
         ``engine.max_parallel`` threads (LocalEngine.for_sweep)."""
-        return LocalEngine.for_sweep(self.max_parallel)
+        return LocalEngine.for_sweep(self.max_parallel, mps=self.mps)
 
 
 def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
@@ -91,12 +95,13 @@ def parse_launch_options(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     parser.add_argument("--num-cpus", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=86400.0)
     parser.add_argument("--max-parallel", type=int, default=1)
+    parser.add_argument("--mps", action="store_true", help=MPS_HELP)
     known, rest = parser.parse_known_args(argv)
     if known.max_parallel < 1:
         parser.error(f"--max-parallel must be >= 1, got {known.max_parallel}")
     if known.num_gpus is not None and not known.num_gpus >= 0:
         parser.error(f"--num-gpus must be >= 0 (GPUs per client), got {known.num_gpus}")
-    return LaunchOptions(known.num_gpus, known.num_cpus, known.timeout, known.max_parallel), rest
+    return LaunchOptions(known.num_gpus, known.num_cpus, known.timeout, known.max_parallel, known.mps), rest
 
 
 def with_default_dirs(args: list[str]) -> list[str]:

@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPUs per simulated client (default: the automatic share of fedact_app/cli/resources.py)")
     parser.add_argument("--num-cpus", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=86400.0, help="seconds per run")
+    parser.add_argument("--mps", action="store_true", help=study_script.sweep.MPS_HELP)
     args = parser.parse_args(argv)
     seeds = study_script.parse_seeds(args.seeds)
     lr_range = tuple(args.lr_range) if args.lr_range else None
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"error: --lr-grid {args.lr_grid}: {err}", file=sys.stderr)
             return 2
-    launch = study_script.sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout)
+    launch = study_script.sweep.LaunchOptions(args.num_gpus, args.num_cpus, args.timeout, mps=args.mps)
     with launch.engine() as engine:
         try:
             objective = flower_objective(args.out / "jobs", shared, seeds, args.holdout, launch, engine,

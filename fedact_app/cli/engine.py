@@ -57,6 +57,7 @@ from typing import Any
 
 from fedact_app.cli import flwr
 from fedact_app.cli.flwr import LaunchError
+from fedact_app.cli.mps import MpsDaemon
 from fedact_app.cli.ray_cluster import RayCluster
 from fedact_app.cli.superlink import SimulationSuperLink
 from fedact_app.serverapp_done import DONE_DIR_ENV, done_line
@@ -163,11 +164,14 @@ class LocalEngine:
     env: extra environment for the SuperLink (and so the ServerApps and ClientApps) and ``flwr``.
     cwd: working directory of the SuperLink and hence of the running apps (default: the caller's).
     flwr_home: FLWR_HOME to use (kept afterwards); default: a temporary one, deleted by ``close``.
+    mps: start a private CUDA MPS daemon with the SuperLink and give its address to every process
+        (:mod:`.mps`), so that the clients sharing a GPU run their kernels side by side; stopped
+        after the SuperLink and the Ray cluster.
     """
 
     def __init__(self, *, max_parallel: int = 1, shared_ray: bool | None = None, num_cpus: int | None = None,
                  num_gpus: float | None = None, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-                 flwr_home: str | Path | None = None) -> None:
+                 flwr_home: str | Path | None = None, mps: bool = False) -> None:
         if int(max_parallel) < 1:
             raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
         self.max_parallel = int(max_parallel)
@@ -182,6 +186,8 @@ class LocalEngine:
         self.link: SimulationSuperLink | None = None
         self.control: flwr.ControlClient | None = None
         self.ray: RayCluster | None = None
+        self.mps = bool(mps)
+        self.mps_daemon: MpsDaemon | None = None
         self.pids: set[int] = set()  # every process the engine's SuperLinks and clusters had
         self._lock = threading.Lock()
         self._in_flight: dict[object, int | None] = {}  # a claim's token -> its run id once submitted
@@ -213,7 +219,8 @@ class LocalEngine:
             self._restore_signals()
 
     def _start(self) -> None:
-        """Start the shared Ray cluster (if any) and the SuperLink; LaunchError if either fails.
+        """Start the MPS daemon (if asked for), the shared Ray cluster (if any) and the SuperLink;
+        LaunchError if one fails.
         Called by :meth:`_claim` only, under the lock, with no process of the engine running."""
         deadline = time.monotonic() + STARTUP_TIMEOUT
         if self.home is None:
@@ -226,6 +233,9 @@ class LocalEngine:
         env = {**os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home), "RAY_ADDRESS": "local",
                DONE_DIR_ENV: str(done_dir)}
         try:
+            if self.mps:  # first: every process started after it must find it
+                self.mps_daemon = MpsDaemon.start(env)
+                env.update(self.mps_daemon.env)
             if self.shared_ray:
                 self.ray = RayCluster.start(self.num_cpus, self.num_gpus, env)
                 env["RAY_ADDRESS"] = self.ray.address
@@ -238,7 +248,8 @@ class LocalEngine:
             raise
 
     def close(self) -> tuple[int, ...]:
-        """Stop the SuperLink, the Ray cluster and everything they spawned; all pids seen."""
+        """Stop the SuperLink, the Ray cluster, everything they spawned and the MPS daemon; all pids
+        seen."""
         with self._lock:  # not while a run starts the engine: it would start what nothing stops
             self._closed = True
             self._stop_processes(kill_at_once=self._cut_short)
@@ -249,7 +260,7 @@ class LocalEngine:
 
     def _stop_processes(self, kill_at_once: bool = False) -> None:
         """Stop the SuperLink's and the cluster's process trees (SIGTERM first, unless
-        ``kill_at_once``)."""
+        ``kill_at_once``), then the MPS daemon."""
         if self.control is not None:
             self.control.close()
             self.control = None
@@ -259,13 +270,17 @@ class LocalEngine:
         if self.ray is not None:
             self.pids |= set(self.ray.stop(kill_at_once))
             self.ray = None
+        if self.mps_daemon is not None:  # last: its clients are gone
+            self.pids |= set(self.mps_daemon.stop())
+            self.mps_daemon = None
 
     def _healthy(self) -> bool:
         for process in (self.link, self.ray):
             if process is not None:
                 process.remember_children()
         return (self.link is not None and self.link.proc.poll() is None
-                and (self.ray is None or self.ray.alive()) and not self._restart)
+                and (self.ray is None or self.ray.alive())
+                and (self.mps_daemon is None or self.mps_daemon.alive()) and not self._restart)
 
     def _computing(self) -> bool:
         """Whether a run in flight may still compute: not yet submitted, or its ServerApp has not

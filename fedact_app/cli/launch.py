@@ -51,7 +51,7 @@ from typing import Any
 from fedact_app.cli.engine import CONNECTION, LocalEngine, RunResult
 from fedact_app.cli.flwr import LaunchError, toml_loads
 from fedact_app.cli.procs import pid_alive
-from fedact_app.cli import resources
+from fedact_app.cli import mps as mps_daemon, resources
 
 __all__ = ["CONNECTION", "LaunchError", "RunResult", "pid_alive", "run_simulation", "app_config", "clients_of"]
 
@@ -73,6 +73,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     federation_config: Mapping[str, Any] | None = None,
     cwd: str | Path | None = None,
     poll_interval: float = 0.5,
+    mps: bool = False,
 ) -> RunResult:
     """Run the Flower app in ``app_dir`` on a private simulation SuperLink and wait for it.
 
@@ -97,6 +98,8 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
         caller's). Apps should resolve their paths to absolute ones anyway.
     poll_interval: seconds between two status checks while the log stream is open (in-process
         calls of the Control API: cheap).
+    mps: run the clients under a private CUDA MPS daemon (:mod:`fedact_app.cli.mps`), so that
+        clients sharing a GPU run their kernels side by side.
 
     Raises
     ------
@@ -106,7 +109,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     if num_gpus_per_client is None:
         submitted = overrides or str((run_config or {}).get("overrides", ""))
         num_gpus_per_client = automatic_gpus(Path(app_dir), submitted, num_cpus_per_client)
-    engine = LocalEngine(shared_ray=False, env=env, cwd=cwd, flwr_home=flwr_home)
+    engine = LocalEngine(shared_ray=False, env=env, cwd=cwd, flwr_home=flwr_home, mps=mps)
     with engine:  # checks the arguments, then starts the SuperLink; stops it on the way out
         result = engine.run(app_dir, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
                             run_config, timeout, federation_config=federation_config,
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpus", type=float, default=None,
                         help="GPUs per ClientApp (default: GPUs / clients training at once where a GPU is "
                              "visible and device is not cpu, else 0; fedact_app/cli/resources.py)")
+    parser.add_argument("--mps", action="store_true", help=mps_daemon.HELP)
     parser.add_argument(
         "--run-config", action="append", default=[], metavar="KEY=VALUE",
         help="another run-config key (repeatable)",
@@ -226,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = app_config(Path(args.app), submitted)
         num_supernodes = clients_of(cfg, args.num_supernodes)
         num_gpus = resources.client_gpus(cfg, args.num_cpus, args.num_gpus)
+        if args.mps and num_gpus == 0:
+            raise ValueError("--mps shares a GPU between clients, but they get none (no GPU visible, device=cpu "
+                             "or --num-gpus 0): give them a GPU share, or leave --mps out")
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -240,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             run_config=run_config,
             timeout=args.timeout,
             flwr_home=args.flwr_home,
+            mps=args.mps,
         )
     except (LaunchError, ValueError) as err:
         print(f"launch error: {err}", file=sys.stderr)
