@@ -315,3 +315,52 @@ def test_bench_round_has_mps(monkeypatch):
 
     assert bench_round.parse_args(["--paper", "--mps"]).mps
     assert not bench_round.parse_args(["--paper"]).mps
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_the_clientapps_of_a_run_find_the_daemon(fake_control, tmp_path):
+    """A real run on an engine with ``mps=True``: every Ray worker of the run (Flower's ClientApp
+    actors among them) has the daemon's pipe directory in its environment, so CUDA in it would
+    connect to the daemon; the daemon is stopped with the engine."""
+    import threading
+    import time
+
+    from fedact_app.cli.procs import descendants
+
+    fake_control("ok")
+    environments: dict[int, tuple[str, dict[str, str]]] = {}
+    running = threading.Event()
+
+    def watch(local: engine.LocalEngine) -> None:
+        while not running.is_set():
+            link = local.link
+            for pid in descendants(link.proc.pid) if link is not None else ():
+                try:
+                    cmdline = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                                       .replace("\0", " ").split())  # (Ray pads its workers' names)
+                    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if "ray::" in cmdline:
+                    env = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+                    environments[pid] = (cmdline, env)
+            time.sleep(0.2)
+
+    with engine.LocalEngine(shared_ray=False, mps=True, flwr_home=tmp_path / "home") as local:
+        watcher = threading.Thread(target=watch, args=(local,), daemon=True)
+        watcher.start()
+        try:
+            result = local.run(REPO_ROOT, overrides=f"num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=2 "
+                                                    f"num_rounds=1 device=cpu output_dir={tmp_path / 'run'}",
+                               num_supernodes=2, timeout=300)
+        finally:
+            running.set()
+            watcher.join()
+        daemon = local.mps_daemon
+        assert result.completed, result.tail(60)
+    assert any("ClientAppActor" in cmdline for cmdline, _ in environments.values()), sorted(
+        cmdline for cmdline, _ in environments.values())
+    for cmdline, env in environments.values():
+        assert env.get("CUDA_MPS_PIPE_DIRECTORY") == str(daemon.root / "pipe"), cmdline
+    assert not daemon.alive() and not daemon.root.exists()
