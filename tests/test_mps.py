@@ -320,9 +320,9 @@ def test_bench_round_has_mps(monkeypatch):
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_the_clientapps_of_a_run_find_the_daemon(fake_control, tmp_path):
-    """A real run on an engine with ``mps=True``: every Ray worker of the run (Flower's ClientApp
-    actors among them) has the daemon's pipe directory in its environment, so CUDA in it would
-    connect to the daemon; the daemon is stopped with the engine."""
+    """A real run on an engine with ``mps=True``: Flower's ClientApp actors have the daemon's pipe
+    directory in their environment, so CUDA in them would connect to the daemon; the daemon is
+    stopped with the engine."""
     import threading
     import time
 
@@ -342,7 +342,7 @@ def test_the_clientapps_of_a_run_find_the_daemon(fake_control, tmp_path):
                     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                if "ray::" in cmdline:
+                if "ClientAppActor" in cmdline:
                     env = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
                     environments[pid] = (cmdline, env)
             time.sleep(0.2)
@@ -359,8 +359,7 @@ def test_the_clientapps_of_a_run_find_the_daemon(fake_control, tmp_path):
             watcher.join()
         daemon = local.mps_daemon
         assert result.completed, result.tail(60)
-    assert any("ClientAppActor" in cmdline for cmdline, _ in environments.values()), sorted(
-        cmdline for cmdline, _ in environments.values())
+    assert environments, "no ClientApp actor seen"
     for cmdline, env in environments.values():
         assert env.get("CUDA_MPS_PIPE_DIRECTORY") == str(daemon.root / "pipe"), cmdline
     assert not daemon.alive() and not daemon.root.exists()
