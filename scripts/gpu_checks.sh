@@ -74,6 +74,9 @@ for name in "${@:-optim server}"; do
             command -v nvidia-cuda-mps-control >/dev/null || echo "no nvidia-cuda-mps-control on PATH" | tee -a "$out/summary.txt"
             step bench-round-bf16 300 python3 scripts/bench_round.py --paper \
                 --overrides "compile_model=reduce-overhead precision=bf16"
+            # nvidia-smi's process table in the rounds: under MPS it lists nvidia-cuda-mps-server and
+            # the clients as type M+C
+            (sleep 70; nvidia-smi) >"$out/nvidia-smi-mps.txt" 2>&1 &
             step bench-round-mps 300 python3 scripts/bench_round.py --paper --mps \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
