@@ -265,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     client_compute = median(flower, "client_train_seconds")
     rest = flower_round - client_compute - aggregation - serde - checks
     device = resolve_device(cfg.device)
+    mps = ", --mps" if args.mps else ""
     print(f"\n{cfg.algorithm.name} on {cfg.dataset.name} / {cfg.model.name}: S={cfg.num_clients} clients x "
           f"K={cfg.local_steps} steps, batch {cfg.batch_size}, {device} ({args.num_cpus} CPUs per client, "
-          f"{args.num_gpus:g} GPUs{', MPS' if args.mps else ''}); rounds {flower[0]['round']}..{flower[-1]['round']} of {args.rounds} "
+          f"{args.num_gpus:g} GPUs{mps}); rounds {flower[0]['round']}..{flower[-1]['round']} of {args.rounds} "
           f"(median); Flower run {flower_wall:.1f} s in all, start-up included")
     print(f"{'':38} {'s/round':>9} {'share':>7}")
     print(f"{'Flower simulation round':38} {flower_round:>9.3f} {'100%':>7}")

@@ -4,7 +4,7 @@
 # a run cut short still leaves what it did.
 #
 #   scripts/gpu_checks.sh optim server         # (also with no step named) at most 6.5 minutes: its limits' sum
-#   scripts/gpu_checks.sh round                # at most 5; every other step: 5 each (round-mps 10)
+#   scripts/gpu_checks.sh round                # at most 5; every other step: 5 each (round-mps 9)
 #
 # On an NVIDIA H100 (16 cores) server took 31 s, round 136 s and units 269 s; on an H200 optim took 62 s
 # and round-bf16 131 s, and deploy ran its first of three modes in 54 s (it needs most of its 5 minutes).
@@ -19,7 +19,7 @@
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
 #   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
 #   round-mps       round-bf16, then the same with the clients under a private CUDA MPS daemon (--mps), on
-#                   one machine (a pair to compare): at most 10 minutes
+#                   one machine (a pair to compare): at most 9 minutes
 #   units           the unit tests (not the Flower runs) with the GPU visible, and that pytest exits
 #   deploy          bench_deploy.py: 4 SuperNodes on the GPU, warm workers against both of Flower's floors
 #
@@ -71,13 +71,16 @@ for name in "${@:-optim server}"; do
             step bench-round-bf16 300 python3 scripts/bench_round.py --paper \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-mps)
-            command -v nvidia-cuda-mps-control >/dev/null || echo "no nvidia-cuda-mps-control on PATH" | tee -a "$out/summary.txt"
-            step bench-round-bf16 300 python3 scripts/bench_round.py --paper \
+            if ! command -v nvidia-cuda-mps-control >/dev/null; then
+                echo "== round-mps: no nvidia-cuda-mps-control on PATH, nothing to compare" | tee -a "$out/summary.txt"
+                continue
+            fi
+            step bench-round-bf16 270 python3 scripts/bench_round.py --paper \
                 --overrides "compile_model=reduce-overhead precision=bf16"
             # nvidia-smi's process table in the rounds: under MPS it lists nvidia-cuda-mps-server and
             # the clients as type M+C
             (sleep 70; nvidia-smi) >"$out/nvidia-smi-mps.txt" 2>&1 &
-            step bench-round-mps 300 python3 scripts/bench_round.py --paper --mps \
+            step bench-round-mps 270 python3 scripts/bench_round.py --paper --mps \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
         units)  # -v: every test's outcome as it ends, so a run cut short still names its failures

@@ -21,8 +21,7 @@ Launcher options, given before or between the Hydra overrides:
     --timeout S      seconds per run (default 86400)
     --max-parallel N runs computing at once (default 1: one Ray cluster, a job starting while the
                      last one shuts down; N > 1: each run starts its own Ray cluster)
-    --mps            clients sharing a GPU run their kernels side by side under a private CUDA MPS
-                     daemon (needs nvidia-cuda-mps-control; fedact_app/cli/mps.py)
+    --mps            a private CUDA MPS daemon for the clients sharing a GPU (fedact_app/cli/mps.py)
 
 The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
 
@@ -34,9 +33,10 @@ The folder (``hydra.sweep.dir``, default ``sweeps/<date>-<time>``)::
 After each job the script prints ``[sweep] <done>/<total> job <n>: <status> (<overrides>)``: the
 jobs finished so far and the number of combinations. ``status`` is ``completed``, ``failed`` (the
 run did not finish as completed; ``error`` has the reason), ``timed out``, ``invalid config`` or
-``launch error``. The summary is rebuilt from the jobs' ``result.json`` after every job. The jobs need this
-script's engine: run them in parallel with ``--max-parallel``, not with a Hydra launcher plugin. With the default launcher the script exits 1 when any
-combination did not complete. The app's ``output_dir`` is set to the job folder by the sweep. With
+``launch error``. The summary is rebuilt from the jobs' ``result.json`` after every job. The
+jobs need this script's engine: run them in parallel with ``--max-parallel``, not with a Hydra
+launcher plugin. With the default launcher the script exits 1 when any combination did not
+complete. The app's ``output_dir`` is set to the job folder by the sweep. With
 ``--max-parallel N`` Hydra still composes the jobs one after another, and up to N of them run at
 once; the progress lines come in the order the jobs finish.
 """

@@ -9,9 +9,11 @@ does to the clients' kernels needs a GPU: ``scripts/gpu_checks.sh round-mps`` me
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,11 +26,12 @@ from fedact_app.cli.procs import pid_alive
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAPER = "experiment=paper_vision"
 
-# FAKE_MPS: ok; fail (-d exits 1); nopid (the daemon writes no pid file); stubborn (it ignores
-# quit). A client passes quit on and returns once the daemon has taken it, or at once when no
-# daemon runs.
+# FAKE_MPS: ok; fail (it exits 1 at once); silent (it never listens); stubborn (it ignores quit);
+# server (it also starts a "server" that leaves its session, as a re-parented MPS server would).
+# A client passes quit on and returns once the daemon has taken it, or at once when no daemon
+# runs. The daemon ends by itself once its pipe directory is gone or after 120 s.
 FAKE_CONTROL = """#!{python}
-import os, sys, time
+import json, os, signal, sys, time
 pipe, log = os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_MPS_LOG_DIRECTORY"]
 mode = os.environ.get("FAKE_MPS", "ok")
 quit_file = os.path.join(pipe, "quit")
@@ -38,7 +41,7 @@ def daemon_runs():
     except (OSError, ValueError):
         return False
     return True
-if sys.argv[1:] != ["-d"]:  # a client of the daemon: pass the command on
+if sys.argv[1:] != ["-f"]:  # a client of the daemon: pass the command on
     if not daemon_runs():
         print("Cannot find MPS control daemon process")
         sys.exit(1)
@@ -50,62 +53,77 @@ if sys.argv[1:] != ["-d"]:  # a client of the daemon: pass the command on
 if mode == "fail":
     print("An instance of this daemon is already running")
     sys.exit(1)
-if os.fork():
-    sys.exit(0)
-os.setsid()
-with open(os.path.join(log, "daemon.pid"), "w") as f:  # for the test, whatever the mode
+with open(os.path.join(log, "daemon.pid"), "w") as f:
     f.write(str(os.getpid()))
+with open(os.path.join(log, "env.json"), "w") as f:
+    json.dump({{k: v for k, v in os.environ.items() if k.startswith("CUDA")}}, f)
 with open(os.path.join(log, "control.log"), "a") as f:
     f.write("Starting control daemon\\n")
-pid_file = os.path.join(pipe, "nvidia-cuda-mps-control.pid")
-if mode != "nopid":
-    with open(pid_file, "w") as f:
+if mode == "server" and os.fork() == 0:
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(os.path.join(log, "server.pid"), "w") as f:
         f.write(str(os.getpid()))
-while mode == "stubborn" or not os.path.exists(quit_file):
+    time.sleep(120)
+    os._exit(0)
+if mode != "silent":
+    open(os.path.join(pipe, "control"), "w").close()
+    with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid"), "w") as f:
+        f.write(str(os.getpid()))
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline and os.path.isdir(pipe) and (mode == "stubborn" or not os.path.exists(quit_file)):
     time.sleep(0.02)
-if os.path.exists(pid_file):
-    os.remove(pid_file)
-os.remove(quit_file)
+for name in ("nvidia-cuda-mps-control.pid", "quit"):
+    if os.path.exists(os.path.join(pipe, name)):
+        os.remove(os.path.join(pipe, name))
 """
 
 
 @pytest.fixture
 def fake_control(tmp_path, monkeypatch):
-    """``fake_control(mode)``: the stand-in on PATH, in ``mode``; returns its path."""
+    """``fake_control(mode)``: the stand-in on PATH, in ``mode``; returns its path. Every daemon
+    started meanwhile is stopped when the test ends, also a test that failed half-way."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     control = bin_dir / mps.CONTROL
     control.write_text(FAKE_CONTROL.format(python=sys.executable))
     control.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    started: list[mps.MpsDaemon] = []
+    wait_ready = mps.MpsDaemon._wait_ready
+
+    def noted(self, until):
+        started.append(self)
+        return wait_ready(self, until)
+
+    monkeypatch.setattr(mps.MpsDaemon, "_wait_ready", noted)
 
     def with_mode(mode: str = "ok") -> Path:
         monkeypatch.setenv("FAKE_MPS", mode)
         return control
 
-    return with_mode
+    yield with_mode
+    for daemon in started:
+        daemon.stop()
 
 
-def daemon_pid(daemon: mps.MpsDaemon) -> int:
-    """The pid the stand-in daemon noted for the test (also where it wrote no pid file)."""
-    return int((daemon.root / "log" / "daemon.pid").read_text())
-
-
-def test_the_daemon_serves_its_own_directories_and_stops_on_quit(fake_control):
+def test_the_daemon_serves_its_own_directories_and_stops_on_quit(fake_control, monkeypatch):
     control = fake_control("ok")
-    daemon = mps.MpsDaemon.start(dict(os.environ))
-    try:
-        assert daemon.control == str(control)
-        assert daemon.env == {"CUDA_MPS_PIPE_DIRECTORY": str(daemon.root / "pipe"),
-                              "CUDA_MPS_LOG_DIRECTORY": str(daemon.root / "log")}
-        assert (daemon.root / "pipe").is_dir() and (daemon.root / "log").is_dir()
-        assert len(str(daemon.root / "pipe" / mps.PID_FILE)) < 108  # a unix socket's path fits
-        assert daemon.pid == daemon_pid(daemon) and daemon.alive()
-    finally:
-        seen = daemon.stop()
-    assert daemon.pid in seen
-    assert not pid_alive(daemon.pid) and not daemon.alive()
-    assert not daemon.root.exists()
+    monkeypatch.setattr(mps, "STOP_TIMEOUT", 5.0)
+    daemon = mps.MpsDaemon.start({**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
+    assert daemon.control == str(control)
+    assert daemon.env == {"CUDA_MPS_PIPE_DIRECTORY": str(daemon.root / "pipe"),
+                          "CUDA_MPS_LOG_DIRECTORY": str(daemon.root / "log")}
+    assert len(str(daemon.root / "pipe" / "control")) < 108  # a unix socket's path fits
+    assert daemon.alive() and int((daemon.root / "log" / "daemon.pid").read_text()) == daemon.proc.pid
+    seen_env = json.loads((daemon.root / "log" / "env.json").read_text())
+    assert seen_env == daemon.env  # and no CUDA_VISIBLE_DEVICES: the daemon sees every GPU
+    began = time.monotonic()
+    seen = daemon.stop()
+    assert time.monotonic() - began < 2.0  # quit was taken (no wait for STOP_TIMEOUT, no SIGKILL)
+    assert daemon.proc.returncode == 0 and daemon.proc.pid in seen
+    assert not daemon.alive() and not daemon.root.exists()
+    assert daemon.stop() == seen  # a second stop does nothing
 
 
 def test_a_missing_binary_is_named(monkeypatch, tmp_path):
@@ -114,50 +132,34 @@ def test_a_missing_binary_is_named(monkeypatch, tmp_path):
         mps.MpsDaemon.start(dict(os.environ))
 
 
-def test_a_daemon_that_fails_to_start_is_reported_with_its_output(fake_control):
-    fake_control("fail")
-    with pytest.raises(LaunchError, match=r"(?s)-d exited with status 1:\nstart.out:\n  An instance of this daemon"):
-        mps.MpsDaemon.start(dict(os.environ))
-
-
-def test_a_daemon_without_pid_file_is_reported_and_stopped(fake_control, monkeypatch, tmp_path):
-    fake_control("nopid")
-    monkeypatch.setattr(mps, "START_TIMEOUT", 1.0)
+def test_a_binary_that_cannot_run_is_named(monkeypatch, tmp_path):
+    control = tmp_path / mps.CONTROL
+    control.write_text("#!/nonexistent/interpreter\n")
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
     made = []
     real_mkdtemp = mps.tempfile.mkdtemp
     monkeypatch.setattr(mps.tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
-    with pytest.raises(LaunchError, match=r"(?s)wrote no nvidia-cuda-mps-control.pid .* within 1 s:.*"
-                                          r"control.log:\n  Starting control daemon"):
+    with pytest.raises(LaunchError, match=r"nvidia-cuda-mps-control -f cannot run: .*No such file"):
         mps.MpsDaemon.start(dict(os.environ))
     assert not Path(made[0]).exists()
 
 
-def test_a_daemon_without_pid_file_gets_quit_too(fake_control, monkeypatch):
-    """The start's clean-up sends ``quit`` although it knows no pid: the daemon ends."""
-    fake_control("nopid")
-    monkeypatch.setattr(mps, "START_TIMEOUT", 1.0)
-    pids = []
-    real_stop = mps.MpsDaemon.stop
-
-    def noting_stop(self):
-        pids.append(int((self.root / "log" / "daemon.pid").read_text()))
-        return real_stop(self)
-
-    monkeypatch.setattr(mps.MpsDaemon, "stop", noting_stop)
-    with pytest.raises(LaunchError):
+def test_a_daemon_that_ends_at_once_is_reported_with_its_output(fake_control):
+    fake_control("fail")
+    with pytest.raises(LaunchError, match=r"(?s)-f ended with status 1:\ncontrol.out:\n  An instance of this daemon"):
         mps.MpsDaemon.start(dict(os.environ))
-    assert pids and wait_gone(pids[0])
 
 
-def wait_gone(pid: int, seconds: float = 5.0) -> bool:
-    import time
-
-    until = time.monotonic() + seconds
-    while pid_alive(pid):
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.05)
-    return True
+def test_a_daemon_that_never_listens_is_reported_and_stopped(fake_control, monkeypatch):
+    fake_control("silent")
+    monkeypatch.setattr(mps, "START_TIMEOUT", 1.0)
+    daemons = []
+    monkeypatch.setattr(mps.MpsDaemon, "log_tail", lambda self, lines=20: daemons.append(self) or ": its log")
+    with pytest.raises(LaunchError, match=r"-f did not listen in .*/pipe within 1 s: its log"):
+        mps.MpsDaemon.start(dict(os.environ))
+    (daemon,) = daemons
+    assert daemon.proc.returncode is not None and not daemon.root.exists()
 
 
 def test_a_daemon_that_ignores_quit_is_killed(fake_control, monkeypatch):
@@ -166,70 +168,128 @@ def test_a_daemon_that_ignores_quit_is_killed(fake_control, monkeypatch):
     daemon = mps.MpsDaemon.start(dict(os.environ))
     assert daemon.alive()
     daemon.stop()
-    assert not pid_alive(daemon.pid)
+    assert daemon.proc.returncode == -signal.SIGKILL and not daemon.root.exists()
 
 
-class _FakeLink(SimpleNamespace):
-    def stop(self, kill_at_once=False):
-        return ()
+def test_a_server_that_left_the_daemons_session_is_killed_too(fake_control):
+    fake_control("server")
+    daemon = mps.MpsDaemon.start(dict(os.environ))
+    server_pid = wait_for_pid(daemon.root / "log" / "server.pid")
+    daemon.remember_children()  # what the engine does whenever it checks its processes
+    assert server_pid in daemon.servers
+    assert server_pid in daemon.stop()
+    assert wait_gone(server_pid)
 
-    def remember_children(self):
-        return None
+
+def wait_for_pid(path: Path, seconds: float = 10.0) -> int:
+    until = time.monotonic() + seconds
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < until, f"no {path}"
+        time.sleep(0.02)
+    return int(path.read_text())
 
 
-def test_the_engine_starts_the_daemon_first_gives_every_process_its_address_and_stops_it_last(
-        fake_control, tmp_path, monkeypatch):
-    fake_control("ok")
-    started: dict[str, dict[str, str]] = {}
-    events = []
+def wait_gone(pid: int, seconds: float = 5.0) -> bool:
+    until = time.monotonic() + seconds
+    while pid_alive(pid):
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def fake_processes(monkeypatch):
+    """The engine's SuperLink and Ray head as stand-ins: ``events`` says what they saw (their
+    environments, and whether the MPS daemon still ran when they were stopped)."""
+    events: dict[str, object] = {"stopped": []}
+    holder: dict[str, engine.LocalEngine] = {}
+
+    def stopping(name, fail=False):
+        def stop(kill_at_once=False):
+            daemon = holder["engine"].mps_daemon
+            events["stopped"].append((name, daemon is not None and daemon.alive()))
+            if fail:
+                raise RuntimeError(f"{name} could not be stopped")
+            return ()
+        return stop
 
     def ray_start(num_cpus, num_gpus, env):
-        started["ray"] = dict(env)
-        return SimpleNamespace(address="127.0.0.1:1", alive=lambda: True,
-                               stop=lambda kill_at_once=False: events.append("ray stopped") or (),
-                               remember_children=lambda: None)
+        events["ray"] = dict(env)
+        return SimpleNamespace(address="127.0.0.1:1", alive=lambda: True, remember_children=lambda: None,
+                               stop=stopping("ray", fail=events.get("ray fails", False)))
 
     def link_start(home, env, cwd, deadline):
-        started["superlink"] = dict(env)
-        return _FakeLink(port=1, proc=SimpleNamespace(poll=lambda: None))
+        events["superlink"] = dict(env)
+        return SimpleNamespace(port=1, proc=SimpleNamespace(poll=lambda: None), remember_children=lambda: None,
+                               stop=stopping("superlink"))
 
     monkeypatch.setattr(engine.RayCluster, "start", ray_start)
     monkeypatch.setattr(engine.SimulationSuperLink, "start", link_start)
     monkeypatch.setattr(engine.flwr, "ControlClient", lambda address: SimpleNamespace(close=lambda: None))
-    local = engine.LocalEngine(shared_ray=True, flwr_home=tmp_path / "home", mps=True)
+
+    def make(**kwargs) -> engine.LocalEngine:
+        holder["engine"] = engine.LocalEngine(**kwargs)
+        return holder["engine"]
+
+    events["make"] = make
+    return events
+
+
+def test_the_engine_starts_the_daemon_first_gives_every_process_its_address_and_stops_it_last(
+        fake_control, fake_processes, tmp_path):
+    fake_control("ok")
+    local = fake_processes["make"](shared_ray=True, flwr_home=tmp_path / "home", mps=True)
     local._start()
     daemon = local.mps_daemon
     assert daemon is not None and daemon.alive()
-    for env in started.values():  # the Ray head (so its actors) and the SuperLink (so each run)
-        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(daemon.root / "pipe")
-        assert env["CUDA_MPS_LOG_DIRECTORY"] == str(daemon.root / "log")
+    for name in ("ray", "superlink"):  # the Ray head (so its actors) and the SuperLink (so each run)
+        assert fake_processes[name]["CUDA_MPS_PIPE_DIRECTORY"] == str(daemon.root / "pipe")
+        assert fake_processes[name]["CUDA_MPS_LOG_DIRECTORY"] == str(daemon.root / "log")
     assert local.env["CUDA_MPS_PIPE_DIRECTORY"] == str(daemon.root / "pipe")
     assert local._healthy()
-    os.kill(daemon.pid, signal.SIGKILL)  # a daemon that died: the engine restarts before the next run
-    assert wait_gone(daemon.pid)
+    local._stop_processes()
+    assert fake_processes["stopped"] == [("superlink", True), ("ray", True)]  # the daemon outlived both
+    assert local.mps_daemon is None and not daemon.alive() and not daemon.root.exists()
+    assert daemon.proc.pid in local.pids
+
+
+def test_an_engine_whose_daemon_died_is_restarted_before_the_next_run(fake_control, fake_processes, tmp_path):
+    fake_control("ok")
+    local = fake_processes["make"](shared_ray=False, flwr_home=tmp_path / "home", mps=True)
+    local._start()
+    daemon = local.mps_daemon
+    daemon.proc.kill()
+    daemon.proc.wait()
     assert not local._healthy()
     local._stop_processes()
-    assert events == ["ray stopped"] and local.mps_daemon is None
-    assert daemon.pid in local.pids and not daemon.root.exists()
+    assert not daemon.root.exists()
 
 
-def test_the_engine_without_mps_starts_no_daemon(fake_control, tmp_path, monkeypatch):
-    fake_control("fail")  # would raise if it were started
-    monkeypatch.setattr(engine.SimulationSuperLink, "start",
-                        lambda home, env, cwd, deadline: _FakeLink(port=1, env=dict(env)))
-    monkeypatch.setattr(engine.flwr, "ControlClient", lambda address: SimpleNamespace(close=lambda: None))
-    local = engine.LocalEngine(shared_ray=False, flwr_home=tmp_path / "home")
+def test_the_daemon_is_stopped_when_stopping_the_cluster_fails(fake_control, fake_processes, tmp_path):
+    fake_control("ok")
+    fake_processes["ray fails"] = True
+    local = fake_processes["make"](shared_ray=True, flwr_home=tmp_path / "home", mps=True)
     local._start()
-    assert local.mps_daemon is None and "CUDA_MPS_PIPE_DIRECTORY" not in local.link.env
+    daemon = local.mps_daemon
+    with pytest.raises(RuntimeError, match="ray could not be stopped"):
+        local._stop_processes()
+    assert not daemon.alive() and not daemon.root.exists() and local.mps_daemon is None
 
 
-def test_an_engine_whose_daemon_fails_starts_nothing_else(fake_control, tmp_path, monkeypatch):
+def test_the_engine_without_mps_starts_no_daemon(fake_control, fake_processes, tmp_path):
+    fake_control("fail")  # would raise if it were started
+    local = fake_processes["make"](shared_ray=False, flwr_home=tmp_path / "home")
+    local._start()
+    assert local.mps_daemon is None and "CUDA_MPS_PIPE_DIRECTORY" not in fake_processes["superlink"]
+
+
+def test_an_engine_whose_daemon_fails_starts_nothing_else(fake_control, fake_processes, tmp_path):
     fake_control("fail")
-    monkeypatch.setattr(engine.SimulationSuperLink, "start", lambda *a: pytest.fail("the SuperLink started"))
-    local = engine.LocalEngine(shared_ray=False, flwr_home=tmp_path / "home", mps=True)
-    with pytest.raises(LaunchError, match="exited with status 1"):
+    local = fake_processes["make"](shared_ray=True, flwr_home=tmp_path / "home", mps=True)
+    with pytest.raises(LaunchError, match="ended with status 1"):
         local._start()
-    assert local.mps_daemon is None
+    assert local.mps_daemon is None and "ray" not in fake_processes and "superlink" not in fake_processes
 
 
 @pytest.fixture

@@ -165,7 +165,7 @@ class LocalEngine:
     cwd: working directory of the SuperLink and hence of the running apps (default: the caller's).
     flwr_home: FLWR_HOME to use (kept afterwards); default: a temporary one, deleted by ``close``.
     mps: start a private CUDA MPS daemon with the SuperLink and give its address to every process
-        (:mod:`.mps`), so that the clients sharing a GPU run their kernels side by side; stopped
+        (:mod:`.mps`), so that the clients sharing a GPU can run their kernels side by side; stopped
         after the SuperLink and the Ray cluster.
     """
 
@@ -261,21 +261,23 @@ class LocalEngine:
     def _stop_processes(self, kill_at_once: bool = False) -> None:
         """Stop the SuperLink's and the cluster's process trees (SIGTERM first, unless
         ``kill_at_once``), then the MPS daemon."""
-        if self.control is not None:
-            self.control.close()
-            self.control = None
-        if self.link is not None:
-            self.pids |= set(self.link.stop(kill_at_once))
-            self.link = None
-        if self.ray is not None:
-            self.pids |= set(self.ray.stop(kill_at_once))
-            self.ray = None
-        if self.mps_daemon is not None:  # last: its clients are gone
-            self.pids |= set(self.mps_daemon.stop())
-            self.mps_daemon = None
+        try:
+            if self.control is not None:
+                self.control.close()
+                self.control = None
+            if self.link is not None:
+                self.pids |= set(self.link.stop(kill_at_once))
+                self.link = None
+            if self.ray is not None:
+                self.pids |= set(self.ray.stop(kill_at_once))
+                self.ray = None
+        finally:  # last, once its clients are gone; also when stopping them failed
+            if self.mps_daemon is not None:
+                self.pids |= set(self.mps_daemon.stop())
+                self.mps_daemon = None
 
     def _healthy(self) -> bool:
-        for process in (self.link, self.ray):
+        for process in (self.link, self.ray, self.mps_daemon):
             if process is not None:
                 process.remember_children()
         return (self.link is not None and self.link.proc.poll() is None

@@ -99,7 +99,7 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     poll_interval: seconds between two status checks while the log stream is open (in-process
         calls of the Control API: cheap).
     mps: run the clients under a private CUDA MPS daemon (:mod:`fedact_app.cli.mps`), so that
-        clients sharing a GPU run their kernels side by side.
+        clients sharing a GPU can run their kernels side by side.
 
     Raises
     ------
