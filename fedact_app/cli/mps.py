@@ -42,7 +42,8 @@ from fedact_app.cli.flwr import LaunchError
 from fedact_app.cli.procs import descendants, kill_quietly, same_process
 
 CONTROL = "nvidia-cuda-mps-control"
-READY_FILES = ("control", "nvidia-cuda-mps-control.pid")  # in the pipe directory once the daemon listens
+# in the pipe directory once the daemon listens: its socket, or its pid file (either is enough)
+READY_FILES = ("control", "nvidia-cuda-mps-control.pid")
 START_TIMEOUT = 10.0  # seconds for the daemon to listen
 STOP_TIMEOUT = 10.0  # seconds for ``quit`` to be taken, as many for the daemon to end, 5 after SIGKILL
 HELP = ("clients sharing a GPU can run their kernels side by side under a private CUDA MPS daemon "
@@ -106,7 +107,7 @@ class MpsDaemon:
         while time.monotonic() < until:
             if self.proc is not None and self.proc.poll() is not None:
                 raise LaunchError(f"{self.control} -f ended with status {self.proc.returncode}{self.log_tail()}")
-            if all((pipe / name).exists() for name in READY_FILES):
+            if any((pipe / name).exists() for name in READY_FILES):
                 return
             time.sleep(0.05)
         raise LaunchError(f"{self.control} -f did not listen in {pipe} within {START_TIMEOUT:g} s{self.log_tail()}")
