@@ -15,6 +15,7 @@ import shutil
 import time
 import tracemalloc
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -144,6 +145,31 @@ def test_synthetic_images_drawn_in_chunks_are_the_one_draw_formula(chunk):
         images = np.clip(means[labels] + rng.normal(0.0, 0.3, (n, 3, 5, 5)), 0.0, 1.0).astype(np.float32)
         assert np.array_equal(split.labels, labels) and np.array_equal(split.images, images)
         assert split.images.dtype == np.float32
+
+
+def test_synthetic_images_are_drawn_only_where_they_are_read():
+    """The ServerApp's check of the partitions reads the training labels and its evaluation the
+    test split: neither draws the training images. A client's partition draws the training
+    images, not the test ones. Threads reading a split at once get one array, drawn once."""
+    cfg = Config(dataset=synthetic_cfg(), num_clients=2, seed=5)
+
+    def drawn() -> tuple[bool, bool]:
+        train, test, _, _ = data._splits_cached(data._dataset_key(cfg.dataset), None, cfg.seed)
+        return tuple(split.all_images._array is not None for split in (train, test))
+
+    data.train_labels(cfg)
+    assert drawn() == (False, False)
+    data.load_test(cfg)
+    assert drawn() == (False, True)
+    data.clear_caches()
+    data.load_client_train(cfg, 0, 2)
+    assert drawn() == (True, False)
+
+    calls = []
+    lazy = splits.LazyImages(lambda: calls.append(1) or time.sleep(0.05) or np.zeros(3))
+    with ThreadPoolExecutor(4) as pool:
+        arrays = list(pool.map(lambda _: lazy.array(), range(4)))
+    assert len(calls) == 1 and all(a is arrays[0] for a in arrays)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,9 +40,10 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 import numpy as np
 
@@ -64,11 +65,31 @@ class DatasetUnavailableError(HubUnavailableError):
     """A hub dataset could not be loaded (offline, or not in the cache)."""
 
 
+class LazyImages:
+    """Images made at their first use, once, by ``make()`` (thread-safe). A synthetic split knows
+    its labels before its images: a process that needs only the labels (the ServerApp's check of
+    the partitions) or only the other split (a client its training rows, the ServerApp the test
+    split) never draws them."""
+
+    def __init__(self, make: Callable[[], np.ndarray]) -> None:
+        self._make: Callable[[], np.ndarray] | None = make
+        self._array: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def array(self) -> np.ndarray:
+        """The images, made at the first call."""
+        if self._array is None:
+            with self._lock:
+                if self._array is None:
+                    self._array, self._make = self._make(), None
+        return self._array
+
+
 @dataclass(frozen=True, eq=False)  # (no == or hash over arrays)
 class ArraySplit:
     """A split held as arrays: the rows ``rows`` (None: all) of ``all_images`` (N, C, H, W), float32
     in [0, 1] or uint8 pixels (the value divided by 255), and the split's int64 labels, one per
-    row.
+    row. ``all_images`` may be :class:`LazyImages` (synthetic data), made when first read.
 
     ``digits`` and ``synthetic`` are made in memory as these, and local image files are read as
     these from their decoded copy on disk (:mod:`.decoded`, ``all_images`` then mapped from the
@@ -80,14 +101,15 @@ class ArraySplit:
     Treat the arrays as read-only: cached splits share them.
     """
 
-    all_images: np.ndarray
+    all_images: np.ndarray | LazyImages
     labels: np.ndarray
     rows: np.ndarray | None = None
 
     @property
     def images(self) -> np.ndarray:
         """The split's images, in its order (a copy where it selects rows)."""
-        return self.all_images if self.rows is None else self.all_images[self.rows]
+        images = self.all_images.array() if isinstance(self.all_images, LazyImages) else self.all_images
+        return images if self.rows is None else images[self.rows]
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -185,7 +207,8 @@ def _synthetic_splits(cfg: DatasetConfig, seed: int,
     generator gives the same values in pieces as in one call, so the images are those of
     ``clip(means[labels] + normal(0, std, (n, c, h, w)), 0, 1)`` in float32, without its n x
     c x h x w float64 temporaries (3.8 GB and 7.3 s for 50,000 CIFAR-shaped images on one
-    2-vCPU VM; chunked 0.6 GB and 1.9 s)."""
+    2-vCPU VM; chunked 0.6 GB and 1.9 s). The labels are drawn first, the images when first
+    read (:class:`LazyImages`), from the rest of the split's stream: the same values."""
     means_seq, train_seq, test_seq = np.random.SeedSequence(seed % 2**63).spawn(3)
     shape = (cfg.channels, cfg.image_size, cfg.image_size)
     means = np.random.default_rng(means_seq).uniform(0.0, 1.0, (cfg.num_classes, *shape))
@@ -193,13 +216,17 @@ def _synthetic_splits(cfg: DatasetConfig, seed: int,
     def sample(seq: np.random.SeedSequence, n: int) -> ArraySplit:
         rng = np.random.default_rng(seq)
         labels = rng.permutation(np.arange(n) % cfg.num_classes).astype(np.int64)
-        images = np.empty((n, *shape), dtype=np.float32)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(n, start + chunk))
-            pixels = rng.normal(0.0, SYNTHETIC_NOISE_STD, (rows.stop - start, *shape))
-            pixels += means[labels[rows]]
-            images[rows] = np.clip(pixels, 0.0, 1.0, out=pixels)
-        return ArraySplit(images, labels)
+
+        def draw() -> np.ndarray:  # (rng is this split's own: nothing else draws from it)
+            images = np.empty((n, *shape), dtype=np.float32)
+            for start in range(0, n, chunk):
+                rows = slice(start, min(n, start + chunk))
+                pixels = rng.normal(0.0, SYNTHETIC_NOISE_STD, (rows.stop - start, *shape))
+                pixels += means[labels[rows]]
+                images[rows] = np.clip(pixels, 0.0, 1.0, out=pixels)
+            return images
+
+        return ArraySplit(LazyImages(draw), labels)
 
     return sample(train_seq, cfg.num_train), sample(test_seq, cfg.num_test)
 
