@@ -75,7 +75,7 @@ for name in "${@:-optim server}"; do
                 echo "== round-mps: no nvidia-cuda-mps-control on PATH, nothing to compare" | tee -a "$out/summary.txt"
                 continue
             fi
-            step bench-round-bf16 270 python3 scripts/bench_round.py --paper \
+            step bench-round-mps-baseline 270 python3 scripts/bench_round.py --paper \
                 --overrides "compile_model=reduce-overhead precision=bf16"
             # nvidia-smi's process table in the rounds: under MPS it lists nvidia-cuda-mps-server and
             # the clients as type M+C
@@ -88,7 +88,8 @@ for name in "${@:-optim server}"; do
         deploy)
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
                 --modes floor,floor-distinct,warm ;;
-        *) echo "unknown step $one: allowed optim server round round-compiled round-bf16 round-mps round-2-actors units deploy" >&2; exit 2 ;;
+        *) echo "unknown step $one: allowed optim server round round-compiled round-bf16 round-mps" \
+                "round-2-actors units deploy" >&2; exit 2 ;;
         esac
     done
 done

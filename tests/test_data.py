@@ -165,6 +165,9 @@ def test_synthetic_images_are_drawn_only_where_they_are_read():
     data.load_client_train(cfg, 0, 2)
     assert drawn() == (True, False)
 
+    train, _ = splits._synthetic_splits(synthetic_cfg(), 5)  # a draw that failed can be done again
+    assert np.array_equal(train.all_images._make(), train.all_images._make())
+
     calls = []
     lazy = splits.LazyImages(lambda: calls.append(1) or time.sleep(0.05) or np.zeros(3))
     with ThreadPoolExecutor(4) as pool:

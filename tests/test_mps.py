@@ -2,8 +2,9 @@
 studies, tuning and bench_round.py start it.
 
 These machines have no GPU and no NVIDIA driver, so a stand-in for ``nvidia-cuda-mps-control``,
-put first on PATH, plays its part. Like NVIDIA's, it forks a daemon on ``-d``, which writes its
-pid file into ``$CUDA_MPS_PIPE_DIRECTORY``, and it passes on a ``quit`` read from stdin. What MPS
+put first on PATH, plays its part. Like NVIDIA's, with ``-f`` it runs the daemon in the
+foreground, which makes its socket and pid file in ``$CUDA_MPS_PIPE_DIRECTORY``; without it, it
+passes on a ``quit`` read from stdin. What MPS
 does to the clients' kernels needs a GPU: ``scripts/gpu_checks.sh round-mps`` measures it.
 """
 
@@ -31,7 +32,7 @@ PAPER = "experiment=paper_vision"
 # A client passes quit on and returns once the daemon has taken it, or at once when no daemon
 # runs. The daemon ends by itself once its pipe directory is gone or after 120 s.
 FAKE_CONTROL = """#!{python}
-import json, os, signal, sys, time
+import json, os, signal, socket, sys, time
 pipe, log = os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_MPS_LOG_DIRECTORY"]
 mode = os.environ.get("FAKE_MPS", "ok")
 quit_file = os.path.join(pipe, "quit")
@@ -67,7 +68,8 @@ if mode == "server" and os.fork() == 0:
     time.sleep(120)
     os._exit(0)
 if mode != "silent":
-    open(os.path.join(pipe, "control"), "w").close()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(os.path.join(pipe, "control"))
     with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid"), "w") as f:
         f.write(str(os.getpid()))
 deadline = time.monotonic() + 120
@@ -384,7 +386,6 @@ def test_the_clientapps_of_a_run_find_the_daemon(fake_control, tmp_path):
     directory in their environment, so CUDA in them would connect to the daemon; the daemon is
     stopped with the engine."""
     import threading
-    import time
 
     from fedact_app.cli.procs import descendants
 

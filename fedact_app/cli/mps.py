@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -42,10 +43,10 @@ from fedact_app.cli.flwr import LaunchError
 from fedact_app.cli.procs import descendants, kill_quietly, same_process
 
 CONTROL = "nvidia-cuda-mps-control"
-# in the pipe directory once the daemon listens: its socket, or its pid file (either is enough)
-READY_FILES = ("control", "nvidia-cuda-mps-control.pid")
+SOCKET = "control"  # the daemon's socket in the pipe directory, made once it listens
 START_TIMEOUT = 10.0  # seconds for the daemon to listen
-STOP_TIMEOUT = 10.0  # seconds for ``quit`` to be taken, as many for the daemon to end, 5 after SIGKILL
+STOP_TIMEOUT = 10.0  # seconds for ``quit`` to be taken, as many for the daemon to end; then SIGKILL
+KILLED_WAIT = 5.0  # seconds for a killed daemon, or a server that outlived it, to be gone
 HELP = ("clients sharing a GPU can run their kernels side by side under a private CUDA MPS daemon "
         "(needs nvidia-cuda-mps-control; fedact_app/cli/mps.py)")  # the command lines' --mps
 
@@ -67,6 +68,7 @@ class MpsDaemon:
     control: str  # path of nvidia-cuda-mps-control
     root: Path
     proc: subprocess.Popen[bytes] | None = None
+    listening: bool = False  # its socket has been seen
     servers: set[int] = field(default_factory=set)  # its descendants seen (MPS servers), start times noted
 
     @property
@@ -107,7 +109,11 @@ class MpsDaemon:
         while time.monotonic() < until:
             if self.proc is not None and self.proc.poll() is not None:
                 raise LaunchError(f"{self.control} -f ended with status {self.proc.returncode}{self.log_tail()}")
-            if any((pipe / name).exists() for name in READY_FILES):
+            try:
+                self.listening = stat.S_ISSOCK(os.stat(pipe / SOCKET).st_mode)
+            except OSError:  # not there yet
+                pass
+            if self.listening:
                 return
             time.sleep(0.05)
         raise LaunchError(f"{self.control} -f did not listen in {pipe} within {START_TIMEOUT:g} s{self.log_tail()}")
@@ -135,11 +141,11 @@ class MpsDaemon:
     def stop(self) -> tuple[int, ...]:
         """Send ``quit`` (the daemon then stops its MPS servers once no client is left), wait for
         the daemon to end, SIGKILL it, its session and its servers if they have not, and remove
-        the directories. Returns every pid seen. Call it after the processes that use the
-        daemon have stopped; a second call does nothing."""
+        the directories. Returns every pid seen. A daemon that never listened gets SIGKILL at once.
+        Call it after the processes that use the daemon have stopped; a second call does nothing."""
         self.remember_children()
         proc = self.proc
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.poll() is None and self.listening:
             try:
                 subprocess.run([self.control], input=b"quit\n", env={**os.environ, **self.env},  # noqa: S603
                                capture_output=True, timeout=STOP_TIMEOUT)
@@ -149,11 +155,13 @@ class MpsDaemon:
                 proc.wait(timeout=STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
                 pass
-        if proc is not None:
-            if proc.poll() is None:
-                _kill_session(proc.pid)
-                proc.kill()
-            proc.wait()
+        if proc is not None and proc.poll() is None:
+            _kill_session(proc.pid)
+            proc.kill()
+            try:
+                proc.wait(timeout=KILLED_WAIT)
+            except subprocess.TimeoutExpired:  # stuck in the driver: left, and its pid reported
+                pass
 
         def left() -> list[int]:
             return [pid for pid in self.servers if same_process(pid)]
@@ -175,7 +183,7 @@ def _kill_session(leader: int) -> None:
 
 
 def _gone(left: Callable[[], list[int]]) -> None:
-    """Wait until ``left()`` is empty, at most 5 seconds."""
-    until = time.monotonic() + 5.0
+    """Wait until ``left()`` is empty, at most :data:`KILLED_WAIT` seconds."""
+    until = time.monotonic() + KILLED_WAIT
     while left() and time.monotonic() < until:
         time.sleep(0.05)

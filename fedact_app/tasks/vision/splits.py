@@ -66,10 +66,12 @@ class DatasetUnavailableError(HubUnavailableError):
 
 
 class LazyImages:
-    """Images made at their first use, once, by ``make()`` (thread-safe). A synthetic split knows
-    its labels before its images: a process that needs only the labels (the ServerApp's check of
-    the partitions) or only the other split (a client its training rows, the ServerApp the test
-    split) never draws them."""
+    """Images made at their first use, once, by ``make()`` (thread-safe; a ``make()`` that raised
+    is called again at the next use, so it must give the same images every call). A synthetic
+    split knows its labels before its images: a process that needs only the labels (the
+    ServerApp's check of the partitions) or only the other split (a client its training rows,
+    the ServerApp the test split) never draws them. Not picklable: splits stay in the process
+    that made them."""
 
     def __init__(self, make: Callable[[], np.ndarray]) -> None:
         self._make: Callable[[], np.ndarray] | None = make
@@ -216,8 +218,12 @@ def _synthetic_splits(cfg: DatasetConfig, seed: int,
     def sample(seq: np.random.SeedSequence, n: int) -> ArraySplit:
         rng = np.random.default_rng(seq)
         labels = rng.permutation(np.arange(n) % cfg.num_classes).astype(np.int64)
+        labels.setflags(write=False)  # the images are drawn from them later
+        after_labels = rng.bit_generator.state
 
-        def draw() -> np.ndarray:  # (rng is this split's own: nothing else draws from it)
+        def draw() -> np.ndarray:  # from where the labels ended: the same images at every call
+            rng = np.random.default_rng(seq)
+            rng.bit_generator.state = after_labels
             images = np.empty((n, *shape), dtype=np.float32)
             for start in range(0, n, chunk):
                 rows = slice(start, min(n, start + chunk))
