@@ -124,7 +124,8 @@ class MpsDaemon:
 
     def remember_children(self) -> None:
         """Note the daemon's descendants (its MPS servers), so that :meth:`stop` finds them even
-        after the daemon died and they were re-parented."""
+        after the daemon died and they were re-parented (the engine calls it whenever it checks
+        its processes; a server started after the last call, whose daemon then died, is missed)."""
         if self.alive():
             self.servers |= descendants(self.proc.pid)
 
