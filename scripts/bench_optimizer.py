@@ -37,6 +37,14 @@ a line gives its median, min and max against FedACT global's from the same inter
 
     python scripts/bench_optimizer.py --models cnn_small vit_tiny --device cpu --optimizer-repeats 1 \
         --train-repeats 30 --compile-model default
+
+With ``--profile N``, last, where a FedACT step spends its time, for the global and the tensor
+scope: ``torch.profiler`` over N steps after warm-up, the operations with the most self time on
+the device (CUDA) or the CPU, per step, with the selection's kernels launched one by one
+(``cuda_graph=False``: to the profiler a graph's replay is one launch).
+
+    python scripts/bench_optimizer.py --models resnet18 --device cuda --optimizer-repeats 1 \
+        --no-train-step --profile 20
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
 
 REFERENCE = "AdamW foreach"
+PROFILED = {"FedACT global": {}, "FedACT tensor": {"trust_scope": "tensor"}}  # --profile's scopes
+PROFILE_TOP = 15  # operations listed per profile
 
 
 def optimizers(device: torch.device, compiled: bool = False
@@ -214,6 +224,43 @@ def bench_train_step(model0: torch.nn.Module, shape: tuple[int, ...], num_classe
     return interleaved(fns, device, repeats, warmup), compile_seconds
 
 
+def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int) -> None:
+    """Print, for each scope of :data:`PROFILED` (``cuda_graph=False``), the operations with the
+    most self time over ``steps`` profiled steps (after 3 warm-up steps), per step: on CUDA the
+    device's time (kernels and copies), on the CPU the operators' own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"  # microseconds
+    gen = torch.Generator().manual_seed(0)
+    grads = [(1e-2 * torch.randn(p.shape, generator=gen)).to(device) for p in params0]
+    for name, options in PROFILED.items():
+        params = [p.detach().clone().to(device).requires_grad_() for p in params0]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt = FedACTAdamW(params, lr=3e-4, cuda_graph=False, **options)
+        start_round(opt, params, seed=0)
+        for _ in range(3):
+            opt.step()
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+        if cuda:
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                opt.step()
+            if cuda:
+                torch.cuda.synchronize(device)
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+        total = sum(getattr(e, key) for e in events)
+        print(f"\nprofile: {name} (cuda_graph=False), {steps} steps; {total / steps / 1e3:.3f} ms of "
+              f"{'device' if cuda else 'CPU'} self time a step")
+        print(f"{'operation':<60} {'calls':>6} {'ms':>8} {'share':>6}")
+        for event in events[:PROFILE_TOP]:
+            own = getattr(event, key)
+            print(f"{event.key[:60]:<60} {event.count / steps:>6.1f} {own / steps / 1e3:>8.3f} "
+                  f"{100 * own / max(total, 1e-9):>5.1f}%")
+
+
 def print_compiled_model(times: dict[str, list[float]], compile_seconds: float, mode: str) -> None:
     """The compiled model's train step against FedACT global's: medians, spread, ratio."""
     def spread(name: str) -> str:
@@ -274,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the train step with the model through torch.compile in this mode")
     parser.add_argument("--optimizer-repeats", type=positive, default=None,
                         help="timed optimizer steps (default: --repeats); the train step takes --train-repeats")
+    parser.add_argument("--profile", type=positive, default=None, metavar="N",
+                        help="also profile N FedACT steps per scope (module docstring)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: cnn_small on digits, 3 repeats, 1 warm-up, batch 8")
     args = parser.parse_args(argv)
@@ -304,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             print_table(model_name, args.dataset, params, device, rows, train, args.batch, ds.image_size)
             if times and args.compile_model:
                 print_compiled_model(times, compile_seconds, args.compile_model)
+            if args.profile:
+                profile_steps(params, device, args.profile)
     return 0
 
 

@@ -3,7 +3,7 @@
 # its output in $OUT/<step>.log (default ./gpu-checks), one line per step in $OUT/summary.txt, so
 # a run cut short still leaves what it did.
 #
-#   scripts/gpu_checks.sh optim server         # (also with no step named) at most 6.5 minutes: its limits' sum
+#   scripts/gpu_checks.sh optim server         # (also with no step named) at most 7 minutes: its limits' sum
 #   scripts/gpu_checks.sh round                # at most 5; every other step: 5 each (round-mps 9)
 #
 # On an NVIDIA H100 (16 cores) server took 31 s, round 136 s and units 269 s; on an H200 optim took 62 s
@@ -12,7 +12,7 @@
 # two), beside summary.txt and machine.txt.
 #
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
-#   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA
+#   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA, with a kernel profile per scope
 #   server          the server round's tests (their cuda case), then bench_server.py on CUDA
 #   round           bench_round.py --paper: the seed's round, GPU busy share, 300-round projection
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
@@ -60,7 +60,8 @@ for name in "${@:-optim server}"; do
         optim)
             step optim-tests 120 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
                 tests/test_optim_topk.py tests/test_compile_model.py -k cuda
-            step bench-optimizer 120 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 ;;
+            step bench-optimizer 150 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 \
+                --profile 20 ;;
         server)
             step server-tests 60 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_server_round.py
             step bench-server 90 python3 scripts/bench_server.py --device cuda --repeats 20 ;;

@@ -20,11 +20,17 @@ def run_script(name: str, *args: str, timeout: float) -> str:
 
 
 def test_bench_optimizer_quick_prints_its_table():
-    out = run_script("bench_optimizer.py", "--quick", "--device", "cpu", timeout=180)
+    out = run_script("bench_optimizer.py", "--quick", "--device", "cpu", "--profile", "2", timeout=180)
     assert "cnn_small / digits: 19,466 parameters in 6 tensors; cpu" in out
     for name in ("AdamW foreach", "FedACT global", "FedACT tensor", "FedAdamW", "FedACT unfused"):
         assert re.search(rf"^{name} +\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", out, re.M), (name, out)
     assert re.search(r"^train step .* ratio FedACT global \d+\.\d+$", out, re.M), out
+    for scope in ("global", "tensor"):  # --profile: the operations with the most self time, per step
+        table = out.split(f"profile: FedACT {scope} (cuda_graph=False), 2 steps; ")[1].split("\n\n")[0]
+        assert re.match(r"\d+\.\d{3} ms of CPU self time a step\noperation +calls +ms +share\n", table), out
+        rows = re.findall(r"^(\S.{59}) +(\d+\.\d) +(\d+\.\d{3}) +(\d+\.\d)%$", table, re.M)
+        assert 1 <= len(rows) <= 15 and sum(float(r[3]) for r in rows) <= 100.5, table
+        assert any(r[0].startswith("aten::") for r in rows), table
 
 
 @pytest.mark.e2e
