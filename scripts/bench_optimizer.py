@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=positive, default=2, help="torch CPU threads")
     parser.add_argument("--batch", type=positive, default=50, help="train-step batch size")
-    parser.add_argument("--train-repeats", type=positive, default=5, help="timed train steps per optimizer (--no-train-step skips them)")
+    parser.add_argument("--train-repeats", type=positive, default=5,
+                        help="timed train steps per optimizer (--no-train-step skips them)")
     parser.add_argument("--no-train-step", action="store_true", help="skip the whole train step")
     parser.add_argument("--compile", action="store_true", help="also FedACT with compile=True")
     parser.add_argument("--compile-model", choices=["default", "reduce-overhead", "max-autotune"],
