@@ -151,16 +151,27 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repe
     return times
 
 
+def fixed_grads(params0: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """One fixed random gradient per parameter (seed 0), on ``device``."""
+    gen = torch.Generator().manual_seed(0)
+    return [(1e-2 * torch.randn(p.shape, generator=gen)).to(device) for p in params0]
+
+
+def with_grads(params0: list[torch.Tensor], grads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """A copy of the parameters on ``device``, each with a copy of its gradient."""
+    params = [p.detach().clone().to(device).requires_grad_() for p in params0]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params
+
+
 def bench_steps(params0: list[torch.Tensor], device: torch.device, repeats: int, warmup: int,
                 compiled: bool) -> list[dict]:
     """Step time and memory of every optimizer on copies of ``params0``."""
-    gen = torch.Generator().manual_seed(0)
-    grads = [(1e-2 * torch.randn(p.shape, generator=gen)).to(device) for p in params0]
+    grads = fixed_grads(params0, device)
     opts, held, exclude = {}, {}, []
     for i, (name, make) in enumerate(optimizers(device, compiled).items()):
-        params = [p.detach().clone().to(device).requires_grad_() for p in params0]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
+        params = with_grads(params0, grads, device)
         opt = make(params)
         start_round(opt, params, seed=i)
         opt.step()  # creates the state
@@ -232,12 +243,9 @@ def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int)
 
     cuda = device.type == "cuda"
     key = "self_device_time_total" if cuda else "self_cpu_time_total"  # microseconds
-    gen = torch.Generator().manual_seed(0)
-    grads = [(1e-2 * torch.randn(p.shape, generator=gen)).to(device) for p in params0]
+    grads = fixed_grads(params0, device)
     for name, options in PROFILED.items():
-        params = [p.detach().clone().to(device).requires_grad_() for p in params0]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
+        params = with_grads(params0, grads, device)
         opt = FedACTAdamW(params, lr=3e-4, cuda_graph=False, **options)
         start_round(opt, params, seed=0)
         for _ in range(3):

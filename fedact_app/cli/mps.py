@@ -40,13 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedact_app.cli.flwr import LaunchError
-from fedact_app.cli.procs import descendants, kill_quietly, same_process
+from fedact_app.cli.procs import KILLED_WAIT, descendants, kill_quietly, same_process
 
 CONTROL = "nvidia-cuda-mps-control"
 SOCKET = "control"  # the daemon's socket in the pipe directory, made once it listens
 START_TIMEOUT = 10.0  # seconds for the daemon to listen
 STOP_TIMEOUT = 10.0  # seconds for ``quit`` to be taken, as many for the daemon to end; then SIGKILL
-KILLED_WAIT = 5.0  # seconds for a killed daemon, or a server that outlived it, to be gone
 HELP = ("clients sharing a GPU can run their kernels side by side under a private CUDA MPS daemon "
         "(needs nvidia-cuda-mps-control; fedact_app/cli/mps.py)")  # the command lines' --mps
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-KILLED_WAIT = 5.0  # seconds stop_tree waits for processes to go after SIGKILL when it has no grace
+KILLED_WAIT = 5.0  # seconds to wait for processes to go after SIGKILL (stop_tree without grace, the MPS daemon)
 
 
 def pid_alive(pid: int) -> bool:
