@@ -71,7 +71,7 @@ from fedact_app.optim import FedACTAdamW  # noqa: E402
 
 REFERENCE = "AdamW foreach"
 PROFILED = {"FedACT global": {}, "FedACT tensor": {"trust_scope": "tensor"}}  # --profile's scopes
-PROFILE_TOP = 15  # operations listed per profile
+PROFILE_TOP = 25  # operations listed per profile
 
 
 def optimizers(device: torch.device, compiled: bool = False
@@ -238,7 +238,9 @@ def bench_train_step(model0: torch.nn.Module, shape: tuple[int, ...], num_classe
 def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int) -> None:
     """Print, for each scope of :data:`PROFILED` (``cuda_graph=False``), the operations with the
     most self time over ``steps`` profiled steps (after 3 warm-up steps), per step: on CUDA the
-    device's time (kernels and copies), on the CPU the operators' own CPU time."""
+    kernels and copies by their device time (the operators that launch them, and the step's own
+    annotation, would count it again), on the CPU the operators' own CPU time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -258,14 +260,15 @@ def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int)
                 opt.step()
             if cuda:
                 torch.cuda.synchronize(device)
-        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+        events = sorted((e for e in prof.key_averages() if not cuda or e.device_type == DeviceType.CUDA),
+                        key=lambda e: getattr(e, key), reverse=True)
         total = sum(getattr(e, key) for e in events)
         print(f"\nprofile: {name} (cuda_graph=False), {steps} steps; {total / steps / 1e3:.3f} ms of "
               f"{'device' if cuda else 'CPU'} self time a step")
-        print(f"{'operation':<60} {'calls':>6} {'ms':>8} {'share':>6}")
+        print(f"{'operation':<100} {'calls':>6} {'ms':>8} {'share':>6}")
         for event in events[:PROFILE_TOP]:
             own = getattr(event, key)
-            print(f"{event.key[:60]:<60} {event.count / steps:>6.1f} {own / steps / 1e3:>8.3f} "
+            print(f"{event.key[:100]:<100} {event.count / steps:>6.1f} {own / steps / 1e3:>8.3f} "
                   f"{100 * own / max(total, 1e-9):>5.1f}%")
 
 

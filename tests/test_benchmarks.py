@@ -28,8 +28,8 @@ def test_bench_optimizer_quick_prints_its_table():
     for scope in ("global", "tensor"):  # --profile: the operations with the most self time, per step
         table = out.split(f"profile: FedACT {scope} (cuda_graph=False), 2 steps; ")[1].split("\n\n")[0]
         assert re.match(r"\d+\.\d{3} ms of CPU self time a step\noperation +calls +ms +share\n", table), out
-        rows = re.findall(r"^(\S.{59}) +(\d+\.\d) +(\d+\.\d{3}) +(\d+\.\d)%$", table, re.M)
-        assert 1 <= len(rows) <= 15 and sum(float(r[3]) for r in rows) <= 100.5, table
+        rows = re.findall(r"^(\S.{99}) +(\d+\.\d) +(\d+\.\d{3}) +(\d+\.\d)%$", table, re.M)
+        assert 1 <= len(rows) <= 25 and sum(float(r[3]) for r in rows) <= 100.5, table
         assert any(r[0].startswith("aten::") for r in rows), table
 
 

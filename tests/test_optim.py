@@ -1035,8 +1035,9 @@ def test_a_step_after_the_first_allocates_less_than_half_d_bytes(engine, trust_s
 def test_state_and_scratch_hold_at_most_20_bytes_a_float32_coordinate(engine, trust_scope, monkeypatch):
     """m, v, Delta_G, the direction and the scores (layout.py): 20 bytes a coordinate beyond the
     parameters and gradients, counted over every tensor and numpy array reachable from the
-    optimizer (scripts/bench_optimizer.py's ``held_bytes``); what is not d-sized (per-segment
-    tensors, the numpy engine's sample) stays under 1 MiB here."""
+    optimizer (scripts/bench_optimizer.py's ``held_bytes``); what is not d-sized (the radix
+    select's counters, 1 MiB here, its lane indices and per-segment tensors, the numpy engine's
+    sample) stays under 1 MiB + 64 KiB."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from bench_optimizer import held_bytes
 
@@ -1045,7 +1046,7 @@ def test_state_and_scratch_hold_at_most_20_bytes_a_float32_coordinate(engine, tr
         new_gradients()
         opt.step()
     held = held_bytes(opt, params + [p.grad for p in params])
-    assert 20 * LARGE_D <= held <= 20 * LARGE_D + (1 << 20), held / LARGE_D
+    assert 20 * LARGE_D <= held <= 20 * LARGE_D + (1 << 20) + (1 << 16), held / LARGE_D
 
 
 # ---------------------------------------------------------------------- on a GPU (skipped without CUDA)

@@ -49,19 +49,20 @@ def test_selection_on_large_segments_is_exact(kind, on_host, monkeypatch):
         assert torch.equal(_host_and_device_top_k(s.clone(), k, on_host, monkeypatch), _stable_top_k(s, k)), tau
 
 
-@pytest.mark.parametrize("on_host, lanes", [(True, None), (False, None), (False, 4)],
-                         ids=["numpy", "device-radix", "device-radix-4-lanes"])
+@pytest.mark.parametrize("on_host, lanes", [(True, None), (False, None), (False, {1: 4, 3: 4}), (False, {1: 8, 3: 2})],
+                         ids=["numpy", "device-radix", "device-radix-4-lanes", "device-radix-8-then-2-lanes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_segmented_selection_is_exact_in_every_segment(on_host, lanes, dtype, monkeypatch):
     """One selection over segments (as trust_scope="tensor" cuts the flat scores): every segment
     j gets exactly its k_j largest, ties to its lowest index, as a stable sort of that segment
     alone; empty segments, k = 0 and k = size, ties (signed zeros included) and tiny values.
-    The radix select also with 4 copies of every bin (large selections have them; here most
-    sizes leave scores beyond the last whole row of lanes)."""
+    The radix select also with 4 copies of every bin, and with 8 in the first pass and 2 in the
+    others (large selections have them; here most sizes leave scores beyond the last whole row
+    of lanes)."""
     if not on_host:
         monkeypatch.setattr(topk, "np", None)
     if lanes is not None:
-        monkeypatch.setattr(topk, "_lanes", lambda d, n_seg: lanes)
+        monkeypatch.setattr(topk, "_lanes", lambda d, n_seg, blocks: lanes[blocks])
     gen = torch.Generator().manual_seed(2)
     for trial in range(60):
         sizes = torch.randint(0, 40, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
@@ -82,13 +83,17 @@ def test_segmented_selection_is_exact_in_every_segment(on_host, lanes, dtype, mo
 
 def test_lanes_are_powers_of_two_within_the_counter_budget():
     """The radix select's copies of every bin: the largest power of two within 2^18 counters
-    (768 a copy and segment) and one counter per 16 scores; one for small selections."""
-    assert topk._lanes(11_220_132, 1) == 256
-    assert topk._lanes((1 << 22) + 1000, 1) == 256
-    assert topk._lanes(11_220_132, 62) == 4      # 2^18 // (768 * 62) = 5
-    assert topk._lanes(2_710_948, 80) == 2       # 169,434 // (768 * 80) = 2
-    assert topk._lanes((1 << 18) + 3, 1) == 16   # 16,384 // 768 = 21
-    assert topk._lanes(1000, 1) == topk._lanes(1 << 30, 400) == 1
+    (256 a copy, block and segment: one block in the first pass, three in the others) and one
+    counter per 16 scores; one for small selections."""
+    assert topk._lanes(11_220_132, 1, 3) == 256
+    assert topk._lanes(11_220_132, 1, 1) == 1024
+    assert topk._lanes((1 << 22) + 1000, 1, 3) == 256
+    assert topk._lanes(11_220_132, 62, 3) == 4      # 2^18 // (768 * 62) = 5
+    assert topk._lanes(11_220_132, 62, 1) == 16     # 2^18 // (256 * 62) = 16
+    assert topk._lanes(2_710_948, 80, 3) == 2       # 169,434 // (768 * 80) = 2
+    assert topk._lanes(2_710_948, 80, 1) == 8       # 169,434 // (256 * 80) = 8
+    assert topk._lanes((1 << 18) + 3, 1, 3) == 16   # 16,384 // 768 = 21
+    assert topk._lanes(1000, 1, 3) == topk._lanes(1 << 30, 400, 3) == topk._lanes(1 << 30, 1100, 1) == 1
 
 
 def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):

@@ -331,16 +331,19 @@ class _RadixSelect:
     The scores' bit patterns, made order-preserving (:meth:`_keys`), are read one byte a pass
     from the top. Every score carries a code in the integer ``scratch``: ``3j + 1`` while it is
     still a candidate for segment j's threshold, ``3j + 2`` once it is known to be above it,
-    ``3j`` below. A pass turns the code into a histogram bin ``256 code + byte``, counts the bins
-    (``index_add_``), finds in each segment's candidate histogram the byte of its ``k_j``-th
-    largest remaining score, and maps every bin to its new code with one ``searchsorted`` over
-    three boundaries per segment. Each bin is counted in ``lanes`` copies, the score's position
-    modulo ``lanes`` picking one (:func:`_lanes`): the top byte (sign and exponent) puts nearly
-    every score of a segment in a few bins, and on CUDA the atomic additions into one counter
-    run one after another (11.2 M scores into one counter: 8.3 ms on an H100, into 1,024 of
-    them 0.21 ms). After the last byte the candidates left are the scores equal
-    to the threshold; a running count over them (``cumsum_`` in the scores' memory) keeps the
-    first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
+    ``3j`` below (in the first pass, where every score is a candidate, just ``j``). A pass turns
+    the code into a histogram bin ``256 code + byte``, counts the bins (``index_add_``), finds in
+    each segment's candidate histogram the byte of its ``k_j``-th largest remaining score, and
+    maps every bin to its new code with one ``searchsorted`` over three boundaries per segment.
+    Each bin is counted in ``lanes`` copies, the score's position modulo ``lanes`` picking one
+    (:class:`_Bins`): the top byte (sign and exponent) puts nearly every score of a segment in a
+    few bins, and on CUDA the atomic additions into one counter run one after another (11.2 M
+    scores into one counter: 8.3 ms on an H100, into 1,024 of them 0.21 ms). The first pass,
+    whose bins are a third of a later pass's, takes three times the lanes in the same counters:
+    it is the contended one, most of all with many segments, whose lanes are few (ResNet-18's
+    62 tensors: 16 in the first pass, 4 in the others). After the last byte the candidates left
+    are the scores equal to the threshold; a running count over them (``cumsum_`` in the scores'
+    memory) keeps the first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
 
     Memory: the scratch (4 bytes a float32 score), the scores' own buffer, the counters (at most
     ``max(_LANE_COUNTERS, 768 x segments)`` integers of the keys' width) and tensors of a few
@@ -369,23 +372,15 @@ class _RadixSelect:
         self.keys = scores.view(self.key_dtype)
         self.scratch = (torch.empty(scores.numel(), dtype=self.key_dtype, device=device) if scratch is None
                         else scratch.view(self.key_dtype))
-        self.lanes = _lanes(scores.numel(), n_seg)
-        self.counts = torch.empty(3 * n_seg * 256 * self.lanes, dtype=self.key_dtype, device=device)
+        # the first pass has candidates only (code j, one block of bins a segment), the later
+        # ones three blocks (codes 3j, 3j + 1, 3j + 2): the same counters, three times the lanes
+        self.first, self.later = (_Bins(self.scratch, n_seg, blocks) for blocks in (1, 3))
+        self.counts = torch.empty(max(self.first.counters, self.later.counters), dtype=self.key_dtype, device=device)
         self.one = torch.ones((), dtype=self.key_dtype, device=device).expand(scores.numel())
-        self.lane = torch.arange(self.lanes, dtype=self.key_dtype, device=device)
-        # the codes in whole rows of lanes (their lane is added), and the last d % lanes (lane 0)
-        laned = scores.numel() - scores.numel() % self.lanes
-        self.rows = self.scratch[:laned].view(-1, self.lanes)
-        self.tail = self.scratch[laned:] if laned < scores.numel() else None
-        # Codes 3j + 1 for every score: 1 at the first score, +3 where each later segment starts.
-        starts = [(b, 1 if j == 0 else 3) for j, b in enumerate(bounds[:-1]) if b < scores.numel()]
-        self.code_at = _on_device([b for b, _ in starts], torch.int64, device)
-        self.code_step = _on_device([c for _, c in starts], self.key_dtype, device)
-        # in the codes' units (a bin's first lane): the last bin of each candidate block, and the
-        # first bin of the next segment
-        seg, width = torch.arange(n_seg, device=device), 256 * self.lanes
-        self.bin_top = (width * (3 * seg + 2) - self.lanes).to(self.key_dtype)
-        self.bin_next = (width * (3 * seg + 3)).to(self.key_dtype)
+        # Codes j for every score: 0 at the first, +1 where each later segment starts.
+        starts = [b for b in bounds[1:-1] if b < scores.numel()]
+        self.code_at = _on_device(starts, torch.int64, device)
+        self.code_step = torch.ones((), dtype=self.key_dtype, device=device).expand(len(starts))
         self._ks: tuple[tuple[int, ...], Optional[Tensor]] = ((), None)
         self.cuda_graph = cuda_graph and device.type == "cuda"
         self._graph: Optional["torch.cuda.CUDAGraph"] = None
@@ -426,17 +421,14 @@ class _RadixSelect:
         codes.zero_()
         codes.index_add_(0, self.code_at, self.code_step)
         codes.cumsum_(0)
-        lanes = self.lanes
         for byte in reversed(range(self.bytes)):
+            bins = self.first if byte == self.bytes - 1 else self.later
             codes.mul_(256)  # then the byte into the code's lowest byte: a copy between byte views
             codes.view(torch.uint8)[::self.bytes].copy_(self.keys.view(torch.uint8)[byte::self.bytes])
-            if lanes > 1:  # bin * lanes + position % lanes
-                torch.add(self.lane, self.rows, alpha=lanes, out=self.rows)
-                if self.tail is not None:
-                    self.tail.mul_(lanes)
+            bins.spread_()
             self.counts.zero_()
             self.counts.index_add_(0, codes, self.one)
-            need, ties, boundaries = self._pass(need)
+            need, ties, boundaries = self._pass(need, bins)
             torch.searchsorted(boundaries, codes, right=True, out_int32=self.key_dtype == torch.int32, out=codes)
         self._tie_break(need, ties)
 
@@ -450,20 +442,21 @@ class _RadixSelect:
         sign.bitwise_or_(torch.iinfo(self.key_dtype).min)
         keys.bitwise_xor_(sign)
 
-    def _pass(self, need: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _pass(self, need: Tensor, bins: "_Bins") -> tuple[Tensor, Tensor, Tensor]:
         """From this byte's histograms: per segment, what is still needed after the scores whose
         byte is above the selected one, how many candidates carry the selected byte, and the
         boundaries that map every bin to its new code (above: 3j + 2, selected byte: 3j + 1,
         below: 3j), in the codes' units: a bin's first lane."""
-        by_lane = self.counts.view(self.n_seg, 3, 256, self.lanes)[:, 1]  # the candidates' bins
-        hist = by_lane.sum(2).flip(1)                               # their counts, byte 255 first
+        by_lane = self.counts[:bins.counters].view(self.n_seg, bins.blocks, 256, bins.lanes)[:, bins.blocks // 2]
+        hist = by_lane.sum(2, dtype=self.key_dtype).flip(1)         # the candidates' counts, byte 255 first
+        # (in the keys' width: a sum into int64 would first cast all counters, up to 2 MiB on the CPU)
         at_least = hist.cumsum(1)                                   # candidates with byte >= 255 - i
         short = at_least < need.unsqueeze(1)                        # a prefix of each row
         above = (hist * short).sum(1)
         index = short.sum(1, keepdim=True)                          # 255 - the selected byte
         ties = hist.gather(1, index).squeeze(1)
-        selected = self.bin_top - index.squeeze(1).to(self.key_dtype) * self.lanes
-        boundaries = torch.stack((selected, selected + self.lanes, self.bin_next), 1).view(-1)
+        selected = bins.top - index.squeeze(1).to(self.key_dtype) * bins.lanes
+        boundaries = torch.stack((selected, selected + bins.lanes, bins.next), 1).view(-1)
         return need - above, ties, boundaries
 
     def _tie_break(self, need: Tensor, ties: Tensor) -> None:
@@ -504,11 +497,40 @@ def _captured(fn: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAG
     return graph
 
 
-def _lanes(d: int, n_seg: int) -> int:
-    """Copies of every bin: the largest power of two whose counters stay within
-    ``_LANE_COUNTERS`` and one per 16 scores (a small selection has too few scores to contend,
-    and keeps one copy); at least 1, so a selection of many segments keeps 768 counters each."""
-    lanes = max(1, min(_LANE_COUNTERS, d // 16) // (3 * 256 * n_seg))
+class _Bins:
+    """The histogram layout of one kind of radix pass: per segment, ``blocks`` blocks of 256 bins
+    (one block of candidates in the first pass, where every score is one; three in the later
+    ones), each bin counted in ``lanes`` copies (:func:`_lanes`), the score's position modulo
+    ``lanes`` picking one. ``top``: in the codes' units (a bin's first lane), the last bin of
+    each segment's candidate block; ``next``: the first bin of the next segment."""
+
+    def __init__(self, scratch: Tensor, n_seg: int, blocks: int) -> None:
+        d, device, dtype = scratch.numel(), scratch.device, scratch.dtype
+        self.blocks, self.lanes = blocks, _lanes(d, n_seg, blocks)
+        self.counters = blocks * 256 * n_seg * self.lanes
+        self.lane = torch.arange(self.lanes, dtype=dtype, device=device)
+        # the codes in whole rows of lanes (their lane is added), and the last d % lanes (lane 0)
+        laned = d - d % self.lanes
+        self.rows = scratch[:laned].view(-1, self.lanes)
+        self.tail = scratch[laned:] if laned < d else None
+        seg, width = torch.arange(n_seg, device=device), 256 * self.lanes
+        self.top = (width * (blocks * seg + blocks // 2 + 1) - self.lanes).to(dtype)
+        self.next = (width * blocks * (seg + 1)).to(dtype)
+
+    def spread_(self) -> None:
+        """The codes (bins) in the scratch become ``bin * lanes + position % lanes``, in place."""
+        if self.lanes > 1:
+            torch.add(self.lane, self.rows, alpha=self.lanes, out=self.rows)
+            if self.tail is not None:
+                self.tail.mul_(self.lanes)
+
+
+def _lanes(d: int, n_seg: int, blocks: int) -> int:
+    """Copies of every bin of a pass with ``blocks`` blocks of 256 bins a segment: the largest
+    power of two whose counters stay within ``_LANE_COUNTERS`` and one per 16 scores (a small
+    selection has too few scores to contend, and keeps one copy); at least 1, so a selection of
+    many segments keeps 768 counters each."""
+    lanes = max(1, min(_LANE_COUNTERS, d // 16) // (blocks * 256 * n_seg))
     return 1 << (lanes.bit_length() - 1)
 
 
