@@ -57,7 +57,7 @@ if mode == "fail":
 with open(os.path.join(log, "daemon.pid"), "w") as f:
     f.write(str(os.getpid()))
 with open(os.path.join(log, "env.json"), "w") as f:
-    json.dump({{k: v for k, v in os.environ.items() if k.startswith("CUDA")}}, f)
+    json.dump({{k: v for k, v in os.environ.items() if k.startswith("CUDA_MPS_") or k == "CUDA_VISIBLE_DEVICES"}}, f)
 with open(os.path.join(log, "control.log"), "a") as f:
     f.write("Starting control daemon\\n")
 if mode == "server" and os.fork() == 0:
