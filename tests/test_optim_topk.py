@@ -96,6 +96,20 @@ def test_lanes_are_powers_of_two_within_the_counter_budget():
     assert topk._lanes(1000, 1, 3) == topk._lanes(1 << 30, 400, 3) == topk._lanes(1 << 30, 1100, 1) == 1
 
 
+def test_a_bins_copies_lie_a_whole_histogram_apart(monkeypatch):
+    """The radix select's lanes lie lane after lane: the score at position i with bin b is
+    counted at ``b + bins x (i % lanes)`` (the last ``d % lanes`` scores in lane 0), so the
+    copies of a bin fall in different lines of the GPU's cache; ``gather_`` gives the bins back."""
+    monkeypatch.setattr(topk, "_lanes", lambda d, n_seg, blocks: 4)
+    codes = torch.arange(10, dtype=torch.int32) * 7
+    bins = topk._Bins(codes, n_seg=2, blocks=3)
+    assert bins.counters == 4 * 3 * 256 * 2
+    bins.spread_()
+    assert codes.tolist() == [7 * i + 1536 * (i % 4) for i in range(8)] + [56, 63]
+    bins.gather_()
+    assert torch.equal(codes, torch.arange(10, dtype=torch.int32) * 7)
+
+
 def test_host_map_runs_uneven_items_on_threads_in_order(monkeypatch):
     """The host selection's thread map: results in item order, the items cut into one run of
     consecutive items per thread by their sizes, the calling thread working too."""

@@ -335,9 +335,10 @@ class _RadixSelect:
     the code into a histogram bin ``256 code + byte``, counts the bins (``index_add_``), finds in
     each segment's candidate histogram the byte of its ``k_j``-th largest remaining score, and
     maps every bin to its new code with one ``searchsorted`` over three boundaries per segment.
-    Each bin is counted in ``lanes`` copies, the score's position modulo ``lanes`` picking one
-    (:class:`_Bins`): the top byte (sign and exponent) puts nearly every score of a segment in a
-    few bins, and on CUDA the atomic additions into one counter run one after another (11.2 M
+    Each bin is counted in ``lanes`` copies, the score's position modulo ``lanes`` picking one,
+    the copies lane after lane (:class:`_Bins`; the codes lose their lane again before the
+    ``searchsorted``): the top byte (sign and exponent) puts nearly every score of a segment in
+    a few bins, and on CUDA the atomic additions into one counter run one after another (11.2 M
     scores into one counter: 8.3 ms on an H100, into 1,024 of them 0.21 ms). The first pass,
     whose bins are a third of a later pass's, takes three times the lanes in the same counters:
     it is the contended one, most of all with many segments, whose lanes are few (ResNet-18's
@@ -428,6 +429,7 @@ class _RadixSelect:
             bins.spread_()
             self.counts.zero_()
             self.counts.index_add_(0, codes, self.one)
+            bins.gather_()
             need, ties, boundaries = self._pass(need, bins)
             torch.searchsorted(boundaries, codes, right=True, out_int32=self.key_dtype == torch.int32, out=codes)
         self._tie_break(need, ties)
@@ -446,17 +448,17 @@ class _RadixSelect:
         """From this byte's histograms: per segment, what is still needed after the scores whose
         byte is above the selected one, how many candidates carry the selected byte, and the
         boundaries that map every bin to its new code (above: 3j + 2, selected byte: 3j + 1,
-        below: 3j), in the codes' units: a bin's first lane."""
-        by_lane = self.counts[:bins.counters].view(self.n_seg, bins.blocks, 256, bins.lanes)[:, bins.blocks // 2]
-        hist = by_lane.sum(2, dtype=self.key_dtype).flip(1)         # the candidates' counts, byte 255 first
+        below: 3j)."""
+        by_lane = self.counts[:bins.counters].view(bins.lanes, self.n_seg, bins.blocks, 256)[:, :, bins.blocks // 2]
+        hist = by_lane.sum(0, dtype=self.key_dtype).flip(1)         # the candidates' counts, byte 255 first
         # (in the keys' width: a sum into int64 would first cast all counters, up to 2 MiB on the CPU)
         at_least = hist.cumsum(1)                                   # candidates with byte >= 255 - i
         short = at_least < need.unsqueeze(1)                        # a prefix of each row
         above = (hist * short).sum(1)
         index = short.sum(1, keepdim=True)                          # 255 - the selected byte
         ties = hist.gather(1, index).squeeze(1)
-        selected = bins.top - index.squeeze(1).to(self.key_dtype) * bins.lanes
-        boundaries = torch.stack((selected, selected + bins.lanes, bins.next), 1).view(-1)
+        selected = bins.top - index.squeeze(1).to(self.key_dtype)
+        boundaries = torch.stack((selected, selected + 1, bins.next), 1).view(-1)
         return need - above, ties, boundaries
 
     def _tie_break(self, need: Tensor, ties: Tensor) -> None:
@@ -500,29 +502,34 @@ def _captured(fn: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAG
 class _Bins:
     """The histogram layout of one kind of radix pass: per segment, ``blocks`` blocks of 256 bins
     (one block of candidates in the first pass, where every score is one; three in the later
-    ones), each bin counted in ``lanes`` copies (:func:`_lanes`), the score's position modulo
-    ``lanes`` picking one. ``top``: in the codes' units (a bin's first lane), the last bin of
-    each segment's candidate block; ``next``: the first bin of the next segment."""
+    ones), counted in ``lanes`` copies (:func:`_lanes`), the score's position modulo ``lanes``
+    picking one. The copies lie lane after lane (every bin of lane 0, then of lane 1, ...), so
+    that a bin's copies are ``bins x 4`` bytes apart, each in a line of the GPU's L2 cache of
+    its own: atomic additions into one line queue, whatever their addresses within it.
+    ``top``: the last bin of each segment's candidate block; ``next``: the first bin of the next
+    segment."""
 
     def __init__(self, scratch: Tensor, n_seg: int, blocks: int) -> None:
         d, device, dtype = scratch.numel(), scratch.device, scratch.dtype
         self.blocks, self.lanes = blocks, _lanes(d, n_seg, blocks)
-        self.counters = blocks * 256 * n_seg * self.lanes
-        self.lane = torch.arange(self.lanes, dtype=dtype, device=device)
-        # the codes in whole rows of lanes (their lane is added), and the last d % lanes (lane 0)
-        laned = d - d % self.lanes
-        self.rows = scratch[:laned].view(-1, self.lanes)
-        self.tail = scratch[laned:] if laned < d else None
-        seg, width = torch.arange(n_seg, device=device), 256 * self.lanes
-        self.top = (width * (blocks * seg + blocks // 2 + 1) - self.lanes).to(dtype)
-        self.next = (width * blocks * (seg + 1)).to(dtype)
+        bins = blocks * 256 * n_seg
+        self.counters = bins * self.lanes
+        self.offset = torch.arange(self.lanes, dtype=dtype, device=device) * bins  # where each lane's copies start
+        # the codes in whole rows of lanes (their lane's offset is added), and the last d % lanes (lane 0)
+        self.rows = scratch[:d - d % self.lanes].view(-1, self.lanes)
+        seg = torch.arange(n_seg, device=device)
+        self.top = (256 * (blocks * seg + blocks // 2 + 1) - 1).to(dtype)
+        self.next = (256 * blocks * (seg + 1)).to(dtype)
 
     def spread_(self) -> None:
-        """The codes (bins) in the scratch become ``bin * lanes + position % lanes``, in place."""
+        """The codes (bins) in the scratch become their counters: ``bin + bins x (position % lanes)``."""
         if self.lanes > 1:
-            torch.add(self.lane, self.rows, alpha=self.lanes, out=self.rows)
-            if self.tail is not None:
-                self.tail.mul_(self.lanes)
+            self.rows.add_(self.offset)
+
+    def gather_(self) -> None:
+        """The counters in the scratch become their bins again (:meth:`spread_` undone)."""
+        if self.lanes > 1:
+            self.rows.sub_(self.offset)
 
 
 def _lanes(d: int, n_seg: int, blocks: int) -> int:
