@@ -504,10 +504,10 @@ class _Bins:
     (one block of candidates in the first pass, where every score is one; three in the later
     ones), counted in ``lanes`` copies (:func:`_lanes`), the score's position modulo ``lanes``
     picking one. The copies lie lane after lane (every bin of lane 0, then of lane 1, ...), so
-    that a bin's copies are ``bins x 4`` bytes apart, each in a line of the GPU's L2 cache of
-    its own: atomic additions into one line queue, whatever their addresses within it.
-    ``top``: the last bin of each segment's candidate block; ``next``: the first bin of the next
-    segment."""
+    that a bin's copies are ``bins`` counters apart, each in a line of the GPU's L2 cache of its
+    own: the GPU's atomic additions are capped per line as well as per address
+    (docs/PERFORMANCE.md). ``top``: the last bin of each segment's candidate block; ``next``:
+    the first bin of the next segment."""
 
     def __init__(self, scratch: Tensor, n_seg: int, blocks: int) -> None:
         d, device, dtype = scratch.numel(), scratch.device, scratch.dtype
@@ -536,7 +536,7 @@ def _lanes(d: int, n_seg: int, blocks: int) -> int:
     """Copies of every bin of a pass with ``blocks`` blocks of 256 bins a segment: the largest
     power of two whose counters stay within ``_LANE_COUNTERS`` and one per 16 scores (a small
     selection has too few scores to contend, and keeps one copy); at least 1, so a selection of
-    many segments keeps 768 counters each."""
+    many segments keeps ``256 x blocks`` counters each."""
     lanes = max(1, min(_LANE_COUNTERS, d // 16) // (blocks * 256 * n_seg))
     return 1 << (lanes.bit_length() - 1)
 
