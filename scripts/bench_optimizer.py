@@ -239,7 +239,8 @@ def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int)
     """Print, for each scope of :data:`PROFILED` (``cuda_graph=False``), the operations with the
     most self time over ``steps`` profiled steps (after 3 warm-up steps), per step: on CUDA the
     kernels and copies by their device time (the operators that launch them, and the step's own
-    annotation, would count it again), on the CPU the operators' own CPU time."""
+    annotation on the device's timeline, would count it again), on the CPU the operators' own
+    CPU time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -260,8 +261,9 @@ def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int)
                 opt.step()
             if cuda:
                 torch.cuda.synchronize(device)
-        events = sorted((e for e in prof.key_averages() if not cuda or e.device_type == DeviceType.CUDA),
-                        key=lambda e: getattr(e, key), reverse=True)
+        events = sorted((e for e in prof.key_averages() if not cuda or (
+            e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))),
+            key=lambda e: getattr(e, key), reverse=True)
         total = sum(getattr(e, key) for e in events)
         print(f"\nprofile: {name} (cuda_graph=False), {steps} steps; {total / steps / 1e3:.3f} ms of "
               f"{'device' if cuda else 'CPU'} self time a step")
