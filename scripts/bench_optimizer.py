@@ -235,13 +235,24 @@ def bench_train_step(model0: torch.nn.Module, shape: tuple[int, ...], num_classe
     return interleaved(fns, device, repeats, warmup), compile_seconds
 
 
+def own_time_events(events, cuda: bool) -> list:
+    """The profiler's averaged events whose self times add up to the step's, most first: on CUDA
+    the kernels and copies by their device time (not the operators that launch them, nor an
+    annotation on the device's timeline, which span the kernels and would count them again), on
+    the CPU every operator by its own CPU time."""
+    from torch.autograd import DeviceType
+
+    if cuda:
+        events = [e for e in events
+                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return sorted(events, key=lambda e: getattr(e, key), reverse=True)
+
+
 def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int) -> None:
     """Print, for each scope of :data:`PROFILED` (``cuda_graph=False``), the operations with the
-    most self time over ``steps`` profiled steps (after 3 warm-up steps), per step: on CUDA the
-    kernels and copies by their device time (the operators that launch them, and the step's own
-    annotation on the device's timeline, would count it again), on the CPU the operators' own
-    CPU time."""
-    from torch.autograd import DeviceType
+    most self time over ``steps`` profiled steps (after 3 warm-up steps), per step
+    (:func:`own_time_events`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -261,9 +272,7 @@ def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int)
                 opt.step()
             if cuda:
                 torch.cuda.synchronize(device)
-        events = sorted((e for e in prof.key_averages() if not cuda or (
-            e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))),
-            key=lambda e: getattr(e, key), reverse=True)
+        events = own_time_events(prof.key_averages(), cuda)
         total = sum(getattr(e, key) for e in events)
         print(f"\nprofile: {name} (cuda_graph=False), {steps} steps; {total / steps / 1e3:.3f} ms of "
               f"{'device' if cuda else 'CPU'} self time a step")

@@ -33,6 +33,30 @@ def test_bench_optimizer_quick_prints_its_table():
         assert any(r[0].startswith("aten::") for r in rows), table
 
 
+def test_the_cuda_profile_counts_each_kernel_once():
+    """bench_optimizer --profile on CUDA: the kernels and copies, not the operators that launch
+    them nor the step's annotation on the device's timeline (each spans kernels listed already),
+    most device time first; on the CPU every operator."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from types import SimpleNamespace
+
+    import bench_optimizer
+    from torch.autograd import DeviceType
+
+    def event(name, device_type, cpu, device, annotation=False):
+        return SimpleNamespace(key=name, device_type=device_type, is_user_annotation=annotation,
+                               self_cpu_time_total=cpu, self_device_time_total=device)
+
+    events = [event("aten::index_add_", DeviceType.CPU, 30.0, 900.0),
+              event("Optimizer.step#FedACTAdamW.step", DeviceType.CUDA, 0.0, 1000.0, annotation=True),
+              event("indexFuncLargeIndex", DeviceType.CUDA, 0.0, 900.0),
+              event("Memcpy DtoD", DeviceType.CUDA, 0.0, 10.0),
+              event("searchsorted_cuda_kernel", DeviceType.CUDA, 0.0, 100.0)]
+    assert [e.key for e in bench_optimizer.own_time_events(events, cuda=True)] == [
+        "indexFuncLargeIndex", "searchsorted_cuda_kernel", "Memcpy DtoD"]
+    assert [e.key for e in bench_optimizer.own_time_events(events, cuda=False)][0] == "aten::index_add_"
+
+
 @pytest.mark.e2e
 def test_bench_round_quick_prints_the_split_and_the_ratio():
     out = run_script("bench_round.py", "--quick", timeout=420)

@@ -81,6 +81,28 @@ def test_segmented_selection_is_exact_in_every_segment(on_host, lanes, dtype, mo
         assert torch.equal(top, expected), (trial, sizes, ks)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segmented_selection_with_its_own_lanes_is_exact(dtype, monkeypatch):
+    """The radix select with the lanes it picks itself for a large selection of a few segments
+    (2^18 + 5 scores in 5 segments: 8 lanes in the first pass, 4 in the others; d not a multiple
+    of either), ties included: each segment's k_j largest, ties to the lowest index."""
+    monkeypatch.setattr(topk, "np", None)
+    sizes = [100_003, 70_000, 1, 50_000, (1 << 18) + 5 - 220_004]
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    d = bounds[-1]
+    assert (topk._lanes(d, 5, 1), topk._lanes(d, 5, 3)) == (8, 4)
+    gen = torch.Generator().manual_seed(4)
+    for s in (torch.randn(d, generator=gen), torch.randint(-3, 4, (d,), generator=gen).float()):
+        s = s.to(dtype)
+        ks = [n // 3 for n in sizes]
+        top = s.clone()
+        topk.TopKSelector(top, bounds).indicator_(ks)
+        expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
+        assert torch.equal(top, expected)
+
+
 def test_lanes_are_powers_of_two_within_the_counter_budget():
     """The radix select's copies of every bin: the largest power of two within 2^18 counters
     (256 a copy, block and segment: one block in the first pass, three in the others) and one

@@ -340,9 +340,10 @@ class _RadixSelect:
     ``searchsorted``): the top byte (sign and exponent) puts nearly every score of a segment in
     a few bins, and on CUDA the atomic additions into one counter run one after another (11.2 M
     scores into one counter: 8.3 ms on an H100, into 1,024 of them 0.21 ms). The first pass,
-    whose bins are a third of a later pass's, takes three times the lanes in the same counters:
-    it is the contended one, most of all with many segments, whose lanes are few (ResNet-18's
-    62 tensors: 16 in the first pass, 4 in the others). After the last byte the candidates left
+    whose bins are a third of a later pass's, takes more lanes within the same budget of
+    counters (up to three times, rounded down to a power of two): it is the contended one,
+    most of all with many segments, whose lanes are few (ResNet-18's 62 tensors: 16 in the
+    first pass, 4 in the others). After the last byte the candidates left
     are the scores equal to the threshold; a running count over them (``cumsum_`` in the scores'
     memory) keeps the first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
 
@@ -374,7 +375,7 @@ class _RadixSelect:
         self.scratch = (torch.empty(scores.numel(), dtype=self.key_dtype, device=device) if scratch is None
                         else scratch.view(self.key_dtype))
         # the first pass has candidates only (code j, one block of bins a segment), the later
-        # ones three blocks (codes 3j, 3j + 1, 3j + 2): the same counters, three times the lanes
+        # ones three blocks (codes 3j, 3j + 1, 3j + 2): within one budget of counters, more lanes
         self.first, self.later = (_Bins(self.scratch, n_seg, blocks) for blocks in (1, 3))
         self.counts = torch.empty(max(self.first.counters, self.later.counters), dtype=self.key_dtype, device=device)
         self.one = torch.ones((), dtype=self.key_dtype, device=device).expand(scores.numel())
@@ -427,10 +428,11 @@ class _RadixSelect:
             codes.mul_(256)  # then the byte into the code's lowest byte: a copy between byte views
             codes.view(torch.uint8)[::self.bytes].copy_(self.keys.view(torch.uint8)[byte::self.bytes])
             bins.spread_()
-            self.counts.zero_()
-            self.counts.index_add_(0, codes, self.one)
+            counts = self.counts[:bins.counters]
+            counts.zero_()
+            counts.index_add_(0, codes, self.one)
             bins.gather_()
-            need, ties, boundaries = self._pass(need, bins)
+            need, ties, boundaries = self._pass(counts, need, bins)
             torch.searchsorted(boundaries, codes, right=True, out_int32=self.key_dtype == torch.int32, out=codes)
         self._tie_break(need, ties)
 
@@ -444,12 +446,12 @@ class _RadixSelect:
         sign.bitwise_or_(torch.iinfo(self.key_dtype).min)
         keys.bitwise_xor_(sign)
 
-    def _pass(self, need: Tensor, bins: "_Bins") -> tuple[Tensor, Tensor, Tensor]:
-        """From this byte's histograms: per segment, what is still needed after the scores whose
+    def _pass(self, counts: Tensor, need: Tensor, bins: "_Bins") -> tuple[Tensor, Tensor, Tensor]:
+        """From this byte's histograms (``counts``, laid out as ``bins`` says): per segment, what is still needed after the scores whose
         byte is above the selected one, how many candidates carry the selected byte, and the
         boundaries that map every bin to its new code (above: 3j + 2, selected byte: 3j + 1,
         below: 3j)."""
-        by_lane = self.counts[:bins.counters].view(bins.lanes, self.n_seg, bins.blocks, 256)[:, :, bins.blocks // 2]
+        by_lane = counts.view(bins.lanes, self.n_seg, bins.blocks, 256)[:, :, bins.blocks // 2]
         hist = by_lane.sum(0, dtype=self.key_dtype).flip(1)         # the candidates' counts, byte 255 first
         # (in the keys' width: a sum into int64 would first cast all counters, up to 2 MiB on the CPU)
         at_least = hist.cumsum(1)                                   # candidates with byte >= 255 - i
