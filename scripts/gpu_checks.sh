@@ -6,9 +6,10 @@
 #   scripts/gpu_checks.sh optim server         # (also with no step named) at most 7 minutes: its limits' sum
 #   scripts/gpu_checks.sh round                # at most 5; every other step: 5 each (round-mps 9)
 #
-# On an NVIDIA H100 (16 cores) server took 31 s, round 136 s and units 269 s; on an H200 optim took 62 s
-# and round-bf16 131 s, and deploy ran its first of three modes in 54 s (it needs most of its 5 minutes).
-# A machine's start takes about 35 s of the device time too. Each step writes one log (optim and server
+# On an NVIDIA H100 (16 cores) server took 31 s, round 136 s and units 269 s; on an H200 optim took 80 s,
+# server 33 s, round-mps 243 s, units 269 s and round-bf16 131 s, and deploy ran its first of three modes in
+# 54 s (it needs most of its 5 minutes). A machine's start takes about 35 s of the device time, and the
+# first call on a machine installs .gpu/ in about 25 s: an outer `timeout` must leave room for both. Each step writes one log (optim and server
 # two), beside summary.txt and machine.txt.
 #
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
