@@ -291,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         ends = times["round_ends"]
         first, last = flower[0]["round"], flower[-1]["round"]
         share = busy.mean(ends[first - 2] if first > 1 else ends[0] - flower_rows[0]["seconds"], ends[last - 1])
+        # nvidia-smi's utilization is the share of time some kernel ran: times the round, that time
         print(f"GPU busy during rounds {first}..{last} (nvidia-smi utilization, mean of "
-              f"{busy.period_ms} ms samples): " + ("n/a (no samples)" if share is None else f"{share:.0f}%"))
+              f"{busy.period_ms} ms samples): " + ("n/a (no samples)" if share is None else
+                                                   f"{share:.0f}%, a kernel running {share / 100 * flower_round:.2f} s "
+                                                   f"of the {flower_round:.2f} s round"))
     rounds_done = flower_rows[-1]["round"]
     projected = times["round1_start"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round
     print(f"round 1 started {times['round1_start']:.1f} s after the launch; this {rounds_done}-round run took "
