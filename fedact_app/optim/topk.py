@@ -343,9 +343,9 @@ class _RadixSelect:
     whose bins are a third of a later pass's, takes more lanes within the same budget of
     counters (up to three times, rounded down to a power of two): it is the contended one,
     most of all with many segments, whose lanes are few (ResNet-18's 62 tensors: 16 in the
-    first pass, 4 in the others). After the last byte the candidates left
-    are the scores equal to the threshold; a running count over them (``cumsum_`` in the scores'
-    memory) keeps the first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
+    first pass, 4 in the others). After the last byte the candidates left are the scores equal
+    to the threshold; a running count over them (``cumsum_`` in the scores' memory) keeps the
+    first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
 
     Memory: the scratch (4 bytes a float32 score), the scores' own buffer, the counters (at most
     ``max(_LANE_COUNTERS, 768 x segments)`` integers of the keys' width) and tensors of a few
@@ -447,10 +447,10 @@ class _RadixSelect:
         keys.bitwise_xor_(sign)
 
     def _pass(self, counts: Tensor, need: Tensor, bins: "_Bins") -> tuple[Tensor, Tensor, Tensor]:
-        """From this byte's histograms (``counts``, laid out as ``bins`` says): per segment, what is still needed after the scores whose
-        byte is above the selected one, how many candidates carry the selected byte, and the
-        boundaries that map every bin to its new code (above: 3j + 2, selected byte: 3j + 1,
-        below: 3j)."""
+        """From this byte's histograms (``counts``, laid out as ``bins`` says): per segment, what
+        is still needed after the scores whose byte is above the selected one, how many
+        candidates carry the selected byte, and the boundaries that map every bin to its new
+        code (above: 3j + 2, selected byte: 3j + 1, below: 3j)."""
         by_lane = counts.view(bins.lanes, self.n_seg, bins.blocks, 256)[:, :, bins.blocks // 2]
         hist = by_lane.sum(0, dtype=self.key_dtype).flip(1)         # the candidates' counts, byte 255 first
         # (in the keys' width: a sum into int64 would first cast all counters, up to 2 MiB on the CPU)
