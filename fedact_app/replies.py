@@ -1,7 +1,8 @@
 """What gets into a round: decoding each client reply into a ``ClientUpdate``, checking every array
 and number in it, and the round-relative bounds on the replies that pass (docs/ROBUSTNESS.md has
-the table). The strategy makes one call a round, :func:`accept_round`; what it accepts goes to the
-method's server rule (fedact_app.algorithms), which combines it (fedact_app.aggregation).
+the table). The strategy decodes a round's replies as they are pulled (:class:`Arrivals`) and makes
+one call a round, :func:`accept_round`; what it accepts goes to the method's server rule
+(fedact_app.algorithms), which combines it (fedact_app.aggregation).
 
 A reply is untrusted input. Arrays must match the global state (names, shapes, dtypes) and be
 finite; second moments must be >= 0; the round's K and learning rate are the server's own
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -312,9 +314,39 @@ class RoundReplies:
     update_ratio: float | None = None  # the largest accepted update norm over the round's median
 
 
+class Arrivals:
+    """A round's replies decoded as they are pulled (:meth:`feed`, the strategy's reply loop
+    calling it with each pull's replies), so that decoding the early replies overlaps the clients
+    still training: what the ServerApp has left to do after the round's last reply is that
+    reply's decode and the rule. ``decode``: :func:`decode_updates` with the round's state,
+    acceptance and terms bound. Each reply is decoded as alone, so the updates are the same
+    whenever and in whatever batches they are decoded."""
+
+    def __init__(self, decode: Callable[[Sequence[RecordDict]], list[ClientUpdate | ReplyError]]) -> None:
+        self._decode = decode
+        self._decoded: dict[int, tuple[RecordDict, ClientUpdate | ReplyError]] = {}  # by id() of the content
+        self.last_arrival: float | None = None  # time.perf_counter() when the last replies were fed
+
+    def feed(self, replies: Iterable[Message]) -> None:
+        """Decode these replies now (a Flower error reply has nothing to decode)."""
+        self.last_arrival = time.perf_counter()
+        contents = [msg.content for msg in replies if not msg.has_error()]
+        for content, update in zip(contents, self._decode(contents)):
+            self._decoded[id(content)] = (content, update)
+
+    def updates(self, contents: Sequence[RecordDict]) -> list[ClientUpdate | ReplyError]:
+        """The decoded update (or ``ReplyError``) of each of ``contents``, in order: the one
+        :meth:`feed` made of that very record, else decoded now (all such records together)."""
+        known = [self._decoded.get(id(content), (None, None)) for content in contents]
+        missing = [content for content, (fed, _) in zip(contents, known) if fed is not content]
+        fresh = iter(self._decode(missing) if missing else [])
+        return [update if fed is content else next(fresh) for content, (fed, update) in zip(contents, known)]
+
+
 def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acceptance, *,
                  state: TensorDict, terms: RoundTerms, identity: Callable[[int], ClientKey],
-                 broadcast: dict[str, TensorDict], pool: VectorPool | None = None) -> RoundReplies:
+                 broadcast: dict[str, TensorDict], pool: VectorPool | None = None,
+                 arrivals: Arrivals | None = None) -> RoundReplies:
     """The round's accepted replies, each rejection logged with node id and reason.
 
     Every reply is decoded and checked (:func:`decode_update` against the global ``state`` and
@@ -323,13 +355,15 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
     any: the clients' identities, then node id, so a run repeats bit for bit) and measured
     against each other (:func:`moment_outliers`, :func:`update_ratios`; ``broadcast``: the
     server's current arrays, v_bar among them; ``pool``: where the decoded arrays are kept, whose
-    vectors the caller recycles once the round's updates are no longer read)."""
+    vectors the caller recycles once the round's updates are no longer read). ``arrivals``: the
+    replies decoded as they came (:func:`round_arrivals` of the same state, terms and pool); the
+    others are decoded here."""
     out = RoundReplies()
     passed: list[Accepted] = []
     replies = list(replies)
     contents = [msg.content for msg in replies if not msg.has_error()]
-    decoded = iter(decode_updates(contents, state, acceptance.reply_keys, acceptance.trainable,
-                                  acceptance.nonnegative, acceptance.max_update_norm, terms, pool=pool))
+    arrivals = arrivals or round_arrivals(acceptance, state=state, terms=terms, pool=pool)
+    decoded = iter(arrivals.updates(contents))
     for msg in replies:
         out.received += 1
         node = msg.metadata.src_node_id
@@ -368,6 +402,14 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
     kept = [ratio for index, ratio in enumerate(ratios) if index not in reasons]
     out.update_ratio = max(kept) if kept and median > 0 else None
     return out
+
+
+def round_arrivals(acceptance: Acceptance, *, state: TensorDict, terms: RoundTerms,
+                   pool: VectorPool | None = None) -> Arrivals:
+    """:class:`Arrivals` decoding a round's replies as :func:`accept_round` checks them."""
+    return Arrivals(functools.partial(decode_updates, state=state, reply_keys=acceptance.reply_keys,
+                                      trainable=acceptance.trainable, nonnegative=acceptance.nonnegative,
+                                      max_update_norm=acceptance.max_update_norm, terms=terms, pool=pool))
 
 
 def lower_median(values: Sequence[float]) -> float:

@@ -55,7 +55,8 @@ from fedact_app.diagnostics import mean_client_statistics, vector_norms, vectors
 from fedact_app.finite import describe_names, non_finite
 from fedact_app.packing import VectorPool, as_vector
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
-from fedact_app.replies import Acceptance, ReplyError, RoundTerms, accept_round, count, number, record_bytes
+from fedact_app.replies import (Acceptance, Arrivals, ReplyError, RoundTerms, accept_round, count, number,
+                                record_bytes, round_arrivals)
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
                                  sample_clients, sample_count, unidentified_key)
 from fedact_app.wire import packed_record, to_wire
@@ -66,8 +67,10 @@ EVAL_EXAMPLES_RATIO = 100  # an evaluation reply may count at most this many tim
 REPLY_POLL = (0.005, 0.05)  # first and longest wait between two pulls of replies, seconds
 
 
-def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None) -> list[Message]:
-    """Push ``messages`` and pull their replies until all have come or ``timeout`` seconds passed.
+def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
+             on_replies: Callable[[list[Message]], None] | None = None) -> list[Message]:
+    """Push ``messages`` and pull their replies until all have come or ``timeout`` seconds passed;
+    ``on_replies`` gets each pull's replies as they come (:func:`collect`).
 
     What ``Grid.send_and_receive`` does, without its fixed sleep between two pulls (Flower 1.41:
     3 s in a deployment's ``HttpGrid``, 0.1 s in simulation's ``InMemoryGrid``), which a round
@@ -76,18 +79,23 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None) -> 
     with twenty pulls a second while clients train (a pull is one small query of the SuperLink;
     a cap of 0.25 s cost a simulated round about 0.1 s more, docs/PERFORMANCE.md).
     """
-    return collect(grid, set(grid.push_messages(messages)), timeout)
+    return collect(grid, set(grid.push_messages(messages)), timeout, on_replies)
 
 
-def collect(grid: Grid, pending: set[str], timeout: float | None) -> list[Message]:
+def collect(grid: Grid, pending: set[str], timeout: float | None,
+            on_replies: Callable[[list[Message]], None] | None = None) -> list[Message]:
     """Pull the replies to the message ids in ``pending`` (removing each answered id from it)
-    until none is left or ``timeout`` seconds passed (0: one pull); ``exchange`` has the waits."""
+    until none is left or ``timeout`` seconds passed (0: one pull); ``exchange`` has the waits.
+    ``on_replies(pulled)`` runs after every pull that brought replies, before the next pull (the
+    strategy decodes them there while other clients still train)."""
     replies: list[Message] = []
     deadline = None if timeout is None else time.monotonic() + timeout
     wait = REPLY_POLL[0]
     while pending:
         pulled = list(grid.pull_messages(pending))
         replies.extend(pulled)
+        if pulled and on_replies is not None:
+            on_replies(pulled)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
         left = math.inf if deadline is None else deadline - time.monotonic()
         if not pending or left <= 0:
@@ -268,12 +276,22 @@ class AlgorithmStrategy(Strategy):
         """The node's identity; a node never identified (a test's hand-made reply) sorts last."""
         return self.client_keys.get(node, unidentified_key(node))
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        self.vectors.recycle()  # the last round's replies: nothing reads them any more
+    def round_arrivals(self, server_round: int) -> Arrivals:
+        """What decodes this round's training replies as they come (fedact_app.replies.Arrivals),
+        into the vectors of the last round's replies: nothing reads those any more."""
+        self.vectors.recycle()
+        return round_arrivals(self.acceptance, state=self.state, terms=self.round_terms(server_round),
+                              pool=self.vectors)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message],
+                        arrivals: Arrivals | None = None) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's ``Strategy.aggregate_train``: the round's new global state from its
+        ``replies``; ``arrivals``: those of them decoded as they came (:meth:`round_arrivals`),
+        the others are decoded here."""
         round_replies = accept_round(server_round, replies, self.acceptance, state=self.state,
                                      terms=self.round_terms(server_round), identity=self.client_key_of,
-                                     broadcast=self.rule.broadcast(), pool=self.vectors)
+                                     broadcast=self.rule.broadcast(),
+                                     arrivals=arrivals or self.round_arrivals(server_round))
         accepted, rejected = round_replies.accepted, round_replies.rejected
         missing = max(self.messages_sent - round_replies.received, 0)
         if missing:
@@ -404,10 +422,11 @@ class AlgorithmStrategy(Strategy):
                                    for key, arrays in state["rule"].items()})
         self.empty_rounds = int(state["empty_rounds"])
 
-    def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
+    def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float,
+                 on_replies: Callable[[list[Message]], None] | None = None) -> list[Message]:
         """:func:`exchange`, counting the messages left without a reply in :attr:`unanswered`."""
         messages = list(messages)
-        replies = exchange(grid, messages, timeout)
+        replies = exchange(grid, messages, timeout, on_replies)
         self.unanswered += len(messages) - len(replies)
         return replies
 
@@ -437,11 +456,15 @@ class AlgorithmStrategy(Strategy):
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)
-            replies = self.exchange(grid, self.configure_train(server_round, arrays, ConfigRecord(), grid), timeout)
-            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            messages = self.configure_train(server_round, arrays, ConfigRecord(), grid)
+            arrivals = self.round_arrivals(server_round)
+            replies = self.exchange(grid, messages, timeout, on_replies=arrivals.feed)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies, arrivals)
             arrays = new_arrays or arrays
             row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
                    **dict(train_metrics or {})}
+            if arrivals.last_arrival is not None:  # the ServerApp's work no client overlaps
+                row["server_seconds"] = time.perf_counter() - arrivals.last_arrival
             client_eval = self.aggregate_evaluate(
                 server_round,
                 self.exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))

@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     bytes_round = median(flower, "bytes_sent") + median(flower, "bytes_received") if "bytes_sent" in flower[0] else 0
     print(f"bytes per round (sent + received): {bytes_round / 2**20:.1f} MiB")
     print(f"ratio Flower / plain loop: {flower_round / plain_round:.2f}")
+    if all("server_seconds" in row for row in flower):
+        print(f"the ServerApp's work after a round's last reply (server_seconds: that reply's decode, the "
+              f"checks, the rule, the next state's record): {median(flower, 'server_seconds'):.3f} s")
     if device.type == "cuda":
         ends = times["round_ends"]
         first, last = flower[0]["round"], flower[-1]["round"]

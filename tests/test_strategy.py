@@ -36,6 +36,19 @@ def test_exchange_returns_every_reply_soon_after_the_last_one_arrives():
     assert grid.pulls <= 0.6 / REPLY_POLL[1] + 10  # the wait grows to its cap: no busy loop
 
 
+def test_exchange_hands_each_pull_s_replies_over_before_the_next_pull():
+    """``on_replies`` gets the replies of every pull that brought some, once each, before the
+    next pull: what lets the strategy decode early replies while the last clients train."""
+    grid = TimedGrid([0.0, 0.3, 0.3])
+    handed = []
+    replies = exchange(grid, ["a", "b", "c"], timeout=30.0,
+                       on_replies=lambda pulled: handed.append((grid.pulls, [r.metadata.reply_to_message_id
+                                                                              for r in pulled])))
+    assert [ids for _, ids in handed] == [["m0"], ["m1", "m2"]]  # m1 and m2 are ready at the same pull
+    assert handed[0][0] == 1 and handed[-1][0] == grid.pulls  # handed over at the pull that brought them
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
+
+
 def test_exchange_stops_at_the_timeout_with_the_replies_it_has():
     grid = TimedGrid([0.0, None])
     started = time.monotonic()

@@ -264,6 +264,73 @@ def test_aggregation_does_not_depend_on_the_order_replies_arrive_in():
         assert all(torch.equal(rule[k][n], results[0][1][k][n]) for k in rule for n in TRAINABLE)
 
 
+def test_replies_decoded_as_they_arrive_give_the_round_of_replies_decoded_at_its_end(monkeypatch):
+    """The strategy decodes replies as they are pulled (Arrivals.feed); a round whose replies came
+    in two pulls, and one whose second reply was never fed, equal bit for bit the round decoded
+    all at once, the bad reply refused alike, and every record is decoded once."""
+    import fedact_app.replies as replies_module
+
+    decode, decoded = replies_module.decode_updates, []
+    monkeypatch.setattr(replies_module, "decode_updates",
+                        lambda contents, *a, **kw: (decoded.extend(map(id, contents)), decode(contents, *a, **kw))[1])
+    contents = [good_content(scale=1.0 + i / 7) for i in range(3)] + [BAD["negative v"]]
+    results = []
+    for batches in ([], [[0, 2], [3]], [[2], [0, 3]]):
+        strategy = fedact_strategy()
+        strategy.messages_sent = 4
+        replies = [reply(10 + i, contents[i]) for i in range(4)]
+        arrivals = strategy.round_arrivals(1) if batches else None
+        for batch in batches:
+            arrivals.feed([replies[i] for i in batch])
+        decoded.clear()
+        _, metrics = strategy.aggregate_train(1, replies, arrivals)
+        assert len(decoded) == 4 - sum(map(len, batches))  # only the records not fed yet
+        assert (metrics["clients"], metrics["rejected"]) == (3, 1)
+        results.append((strategy.state, strategy.rule.state_dict(), metrics))
+    for state, rule, metrics in results[1:]:
+        assert all(torch.equal(state[n], results[0][0][n]) for n in STATE)
+        assert all(torch.equal(rule[k][n], results[0][1][k][n]) for k in rule for n in TRAINABLE)
+        assert dict(metrics) == dict(results[0][2])
+
+
+def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monkeypatch):
+    """In the round loop every training reply is decoded within the exchange (as its pull brings
+    it), and the round's row carries ``server_seconds``: from the last reply to the new state."""
+    import fedact_app.replies as replies_module
+    import fedact_app.strategy as strategy_module
+
+    strategy = fedact_strategy()
+    replies = [reply(1, good_content()), reply(2, good_content(scale=2.0))]
+    exchanging, decoded_outside = [False], []
+    decode = replies_module.decode_updates
+
+    def counted_decode(contents, *args, **kwargs):
+        decoded_outside.extend(c for c in contents if not exchanging[0])
+        return decode(contents, *args, **kwargs)
+
+    def exchange(grid, messages, timeout, on_replies=None):
+        if not messages:  # the evaluation round (fraction_evaluate=0)
+            return []
+        exchanging[0] = True
+        for pulled in replies:
+            on_replies([pulled])
+        exchanging[0] = False
+        return replies
+
+    def configure_train(*args):
+        strategy.messages_sent = 2
+        return ["to node 1", "to node 2"]
+
+    monkeypatch.setattr(replies_module, "decode_updates", counted_decode)
+    monkeypatch.setattr(strategy_module, "exchange", exchange)
+    monkeypatch.setattr(strategy, "configure_train", configure_train)
+    rows = []
+    strategy.run(None, num_rounds=2, timeout=1.0, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
+                 initial_state=dict(STATE))
+    assert [(r["round"], r.get("clients")) for r in rows] == [(0, None), (1, 2), (2, 2)]
+    assert decoded_outside == [] and all(0 <= r["server_seconds"] < r["seconds"] for r in rows[1:])
+
+
 def with_partition(partition_id):
     content = good_content()
     content["metrics"] = MetricRecord({**dict(content["metrics"]), "partition-id": partition_id})
@@ -292,7 +359,7 @@ def _rounds_without_replies(monkeypatch, strategy, **start_kwargs) -> list[dict]
     comes back), returning the rows it recorded."""
     import fedact_app.strategy as strategy_module
 
-    monkeypatch.setattr(strategy_module, "exchange", lambda grid, messages, timeout: [])
+    monkeypatch.setattr(strategy_module, "exchange", lambda grid, messages, timeout, on_replies=None: [])
     monkeypatch.setattr(strategy, "configure_train", lambda *args: [])
     rows = []
     strategy.run(None, timeout=1.0, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
