@@ -38,7 +38,9 @@ simulated client than in the plain loop when Flower's and Ray's processes share 
 line "client compute, Flower / plain loop" says by how much. The clients' trust-score
 diagnostics are off in the Flower run (``diagnostics.trust_every=0``), so both sides train the
 same; ``bench_diagnostics.py`` measures them. The plain loop trains as the clients do with the
-run's ``precision``, ``channels_last`` and ``compile_model``.
+run's ``precision``, ``channels_last`` and ``compile_model``. It also prints the median
+``server_seconds`` (metrics.jsonl): the ServerApp's work after a round's last reply, which no
+client overlaps (the other replies were decoded as they came).
 """
 
 from __future__ import annotations
