@@ -22,6 +22,9 @@ Flower ``RecordDict`` objects. Each repeat times, in turn:
 - server round: ``AlgorithmStrategy.aggregate_train`` on the replies as Flower ``Message``
   objects: the pieces above, the check that the aggregate is finite, and the new global state
   made into the ``ArrayRecord`` the next round sends;
+- after the last reply: the same with every reply but the last decoded beforehand (untimed), as
+  the strategy decodes replies while they arrive (``AlgorithmStrategy.round_arrivals``): what a
+  round waits for after its last reply (a run's ``server_seconds``, without the pull);
 - floor: one pass reading the S x d floats of the deltas, ``torch.stack(deltas).sum(0)``
   (what any rule that looks at every reply's every coordinate once costs at least).
 
@@ -124,11 +127,18 @@ class Round:
         dc = vectors_direction_consistency([as_vector(u.delta, self.trainable) for u in self.updates])
         return dc, vector_norms([as_vector(self.rule.broadcast()["delta_g"], self.trainable)])[0]
 
-    def whole(self):
+    def whole(self, arrivals=None):
         self.strategy.messages_sent = len(self.messages)
-        _, metrics = self.strategy.aggregate_train(1, self.messages)
+        _, metrics = self.strategy.aggregate_train(1, self.messages, arrivals)
         if metrics["clients"] != len(self.messages):
             raise RuntimeError(f"the round accepted {metrics['clients']} of {len(self.messages)} replies")
+
+    def all_but_the_last_arrived(self):
+        self.arrivals = self.strategy.round_arrivals(1)
+        self.arrivals.feed(self.messages[:-1])
+
+    def after_last_reply(self):
+        self.whole(self.arrivals)
 
 
 def main(argv: list[str]) -> None:
@@ -141,6 +151,7 @@ def main(argv: list[str]) -> None:
     deltas = [as_vector(u.delta, trainable) for u in run.updates]
     pieces = {"decode + checks": run.decode, "decode, one thread": run.decode_one_thread, "acceptance": run.accept,
               "aggregate": run.aggregate, "DC + ||Delta_G||": run.diagnostics, "server round": run.whole,
+              "after the last reply": (run.all_but_the_last_arrived, run.after_last_reply),
               "floor: stack(S x d).sum(0)": lambda: torch.stack(deltas).sum(0)}
     times = interleaved(pieces, args.repeats, device)
     d = sum(x[n].numel() for n in trainable)

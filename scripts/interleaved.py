@@ -11,12 +11,19 @@ from collections.abc import Callable, Mapping
 import torch
 
 
-def interleaved(pieces: Mapping[str, Callable[[], object]], repeats: int,
+Piece = Callable[[], object] | tuple[Callable[[], object], Callable[[], object]]  # fn, or (untimed setup, fn)
+
+
+def interleaved(pieces: Mapping[str, Piece], repeats: int,
                 device: torch.device | None = None) -> dict[str, list[float]]:
     """Seconds of each call of each piece, the warm-up left out; on a CUDA ``device`` each call
-    is timed between two synchronizations."""
+    is timed between two synchronizations. A piece given as ``(setup, fn)`` runs ``setup()``
+    untimed before each timed ``fn()``."""
 
-    def timed(fn: Callable[[], object]) -> float:
+    def timed(piece: Piece) -> float:
+        setup, fn = piece if isinstance(piece, tuple) else (None, piece)
+        if setup is not None:
+            setup()
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
