@@ -254,6 +254,26 @@ def test_the_selection_threads_hold_their_scratch_before_their_first_task(monkey
         pool.shutdown()
 
 
+def test_a_pool_made_while_the_chunk_size_was_another_is_not_handed_out(monkeypatch):
+    """Pools are kept per chunk size: after a pool was made under a small ``_HOST_CHUNK`` (as a test
+    sets it), the selection at the real size gets threads holding scratch of that size. One pool
+    for both handed out threads with the small scratch, which made new scratch in steps after the
+    first: on the 16-core GPU machine, 3.6 and 6.8 MB at the peak of the numpy global scope's
+    steps in the allocation test, which ran after such a test in the same process."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(topk, "_POOL", {})
+    try:
+        with monkeypatch.context() as small_chunks:
+            small_chunks.setattr(topk, "_HOST_CHUNK", 300)
+            topk.host_map(lambda _: None, range(8), [1] * 8)
+        seen = topk.host_map(lambda _: (threading.get_ident(), getattr(topk._SCRATCH, "n", None)), range(8), [1] * 8)
+        on_pool = [n for ident, n in seen if ident != threading.get_ident()]
+        assert on_pool and all(n == topk._HOST_CHUNK for n in on_pool), seen
+    finally:
+        for pool in topk._POOL.values():
+            pool.shutdown()
+
+
 @pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device-radix"])
 def test_top_k_indicator_on_small_tensors_of_every_dtype(on_host, monkeypatch):
     """The public function on small 1-D tensors (one np.partition, no bracket), float32 and

@@ -244,7 +244,7 @@ def _index_after(a: "np.ndarray", value: float, n: int) -> int:
     raise AssertionError("fewer entries equal the threshold than counted")  # pragma: no cover
 
 
-_POOL: dict[int, ThreadPoolExecutor] = {}  # by thread count
+_POOL: dict[tuple[int, int], ThreadPoolExecutor] = {}  # by thread count and chunk size
 
 
 def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
@@ -262,7 +262,7 @@ def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
     workers = min(threads, len(items))
     if workers <= 1:
         return [fn(x) for x in items]
-    pool = _pool(threads - 1)
+    pool = _pool(threads - 1, _HOST_CHUNK)
     runs = _balanced_runs(sizes, workers)
     pending = [pool.submit(lambda run=run: [fn(items[i]) for i in run]) for run in runs[1:]]
     try:
@@ -277,14 +277,16 @@ def host_map(fn: Callable, items: Sequence, sizes: Sequence[int]) -> list:
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    """This process's pool of ``n`` threads (torch's threads but the caller's), made once per
-    thread count and kept: a thread whose torch thread count differs gets a pool of its own, and
-    none is stopped while another thread may be using it."""
+def _pool(n: int, chunk: int) -> ThreadPoolExecutor:
+    """This process's pool of ``n`` threads (torch's threads but the caller's) holding scratch for
+    chunks of ``chunk`` scores, made once per thread count and chunk size and kept: a thread whose
+    torch thread count differs gets a pool of its own, none is stopped while another thread may
+    be using it, and a pool made while the chunk size was another (a test sets a small one) is
+    never handed out, since its threads would make new scratch in some step after the first."""
     with _POOL_LOCK:
-        if n not in _POOL:
-            _POOL[n] = _started_pool(n)
-        return _POOL[n]
+        if (n, chunk) not in _POOL:
+            _POOL[n, chunk] = _started_pool(n, chunk)
+        return _POOL[n, chunk]
 
 
 def _forget_pools() -> None:
@@ -299,13 +301,14 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def _started_pool(n: int) -> ThreadPoolExecutor:
-    """A pool of ``n`` threads, every one started and holding its chunk scratch
-    (:func:`_chunk_scratch`). A ThreadPoolExecutor starts a thread only when no started one is
-    idle, and a thread makes its scratch at its first task: with threads started on demand, a
-    step after the first could still start one and allocate its scratch (1 MiB a thread)."""
+def _started_pool(n: int, chunk: int) -> ThreadPoolExecutor:
+    """A pool of ``n`` threads, every one started and holding its scratch for chunks of ``chunk``
+    scores (:func:`_chunk_scratch`). A ThreadPoolExecutor starts a thread only when no started
+    one is idle, and a thread makes its scratch at its first task: with threads started on
+    demand, a step after the first could still start one and allocate its scratch (1 MiB a
+    thread)."""
     pool = ThreadPoolExecutor(n, thread_name_prefix="fedact-select", initializer=_chunk_scratch,
-                              initargs=(_HOST_CHUNK,))
+                              initargs=(chunk,))
     started = threading.Barrier(n, timeout=60)  # each task holds its thread until all n run
     wait([pool.submit(started.wait) for _ in range(n)])
     return pool
