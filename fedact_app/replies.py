@@ -336,33 +336,31 @@ class Arrivals:
 
     def updates(self, contents: Sequence[RecordDict]) -> list[ClientUpdate | ReplyError]:
         """The decoded update (or ``ReplyError``) of each of ``contents``, in order: the one
-        :meth:`feed` made of that very record, else decoded now (all such records together)."""
-        known = [self._decoded.get(id(content), (None, None)) for content in contents]
+        :meth:`feed` made of that very record, else decoded now (all such records together).
+        Each is handed out once and then forgotten here, so the updates live as long as the
+        caller keeps them (on a GPU server, fresh device memory a reply)."""
+        known = [self._decoded.pop(id(content), (None, None)) for content in contents]
         missing = [content for content, (fed, _) in zip(contents, known) if fed is not content]
         fresh = iter(self._decode(missing) if missing else [])
         return [update if fed is content else next(fresh) for content, (fed, update) in zip(contents, known)]
 
 
 def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acceptance, *,
-                 state: TensorDict, terms: RoundTerms, identity: Callable[[int], ClientKey],
-                 broadcast: dict[str, TensorDict], pool: VectorPool | None = None,
-                 arrivals: Arrivals | None = None) -> RoundReplies:
+                 identity: Callable[[int], ClientKey], broadcast: dict[str, TensorDict],
+                 arrivals: Arrivals) -> RoundReplies:
     """The round's accepted replies, each rejection logged with node id and reason.
 
-    Every reply is decoded and checked (:func:`decode_update` against the global ``state`` and
-    the round's ``terms``; :func:`check_partition` against the node's ``identity``); the ones
-    that pass are put in a fixed order (float sums depend on their order and replies arrive in
-    any: the clients' identities, then node id, so a run repeats bit for bit) and measured
-    against each other (:func:`moment_outliers`, :func:`update_ratios`; ``broadcast``: the
-    server's current arrays, v_bar among them; ``pool``: where the decoded arrays are kept, whose
-    vectors the caller recycles once the round's updates are no longer read). ``arrivals``: the
-    replies decoded as they came (:func:`round_arrivals` of the same state, terms and pool); the
-    others are decoded here."""
+    Every reply is decoded and checked by ``arrivals`` (:func:`round_arrivals`: :func:`decode_update`
+    against the global state and the round's terms; at its arrival, or here for a reply it has not
+    seen) and by :func:`check_partition` against the node's ``identity``; the ones that pass are
+    put in a fixed order (float sums depend on their order and replies arrive in any: the
+    clients' identities, then node id, so a run repeats bit for bit) and measured against each
+    other (:func:`moment_outliers`, :func:`update_ratios`; ``broadcast``: the server's current
+    arrays, v_bar among them)."""
     out = RoundReplies()
     passed: list[Accepted] = []
     replies = list(replies)
     contents = [msg.content for msg in replies if not msg.has_error()]
-    arrivals = arrivals or round_arrivals(acceptance, state=state, terms=terms, pool=pool)
     decoded = iter(arrivals.updates(contents))
     for msg in replies:
         out.received += 1
@@ -406,7 +404,9 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
 
 def round_arrivals(acceptance: Acceptance, *, state: TensorDict, terms: RoundTerms,
                    pool: VectorPool | None = None) -> Arrivals:
-    """:class:`Arrivals` decoding a round's replies as :func:`accept_round` checks them."""
+    """:class:`Arrivals` decoding a round's replies against the global ``state`` and the round's
+    ``terms``, as ``acceptance`` says, into vectors from ``pool`` (which the caller recycles once
+    the round's updates are no longer read)."""
     return Arrivals(functools.partial(decode_updates, state=state, reply_keys=acceptance.reply_keys,
                                       trainable=acceptance.trainable, nonnegative=acceptance.nonnegative,
                                       max_update_norm=acceptance.max_update_norm, terms=terms, pool=pool))

@@ -87,20 +87,23 @@ def collect(grid: Grid, pending: set[str], timeout: float | None,
     """Pull the replies to the message ids in ``pending`` (removing each answered id from it)
     until none is left or ``timeout`` seconds passed (0: one pull); ``exchange`` has the waits.
     ``on_replies(pulled)`` runs after every pull that brought replies, before the next pull (the
-    strategy decodes them there while other clients still train)."""
+    strategy decodes them there while other clients still train). A pull before the timeout is
+    followed by one more, without a wait, even when ``on_replies`` took the time left: the replies
+    that came while it ran are collected."""
     replies: list[Message] = []
     deadline = None if timeout is None else time.monotonic() + timeout
     wait = REPLY_POLL[0]
     while pending:
         pulled = list(grid.pull_messages(pending))
+        left = math.inf if deadline is None else deadline - time.monotonic()
         replies.extend(pulled)
+        pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
         if pulled and on_replies is not None:
             on_replies(pulled)
-        pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
-        left = math.inf if deadline is None else deadline - time.monotonic()
         if not pending or left <= 0:
             break
-        time.sleep(min(wait, left))
+        remaining = math.inf if deadline is None else deadline - time.monotonic()
+        time.sleep(max(0.0, min(wait, remaining)))
         wait = min(1.5 * wait, REPLY_POLL[1])
     return replies
 
@@ -278,7 +281,9 @@ class AlgorithmStrategy(Strategy):
 
     def round_arrivals(self, server_round: int) -> Arrivals:
         """What decodes this round's training replies as they come (fedact_app.replies.Arrivals),
-        into the vectors of the last round's replies: nothing reads those any more."""
+        into the vectors of the last round's replies, which it recycles: call it once a round,
+        when nothing reads the last round's updates any more (a second call would hand the
+        first one's vectors out again)."""
         self.vectors.recycle()
         return round_arrivals(self.acceptance, state=self.state, terms=self.round_terms(server_round),
                               pool=self.vectors)
@@ -286,12 +291,12 @@ class AlgorithmStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
                         arrivals: Arrivals | None = None) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's ``Strategy.aggregate_train``: the round's new global state from its
-        ``replies``; ``arrivals``: those of them decoded as they came (:meth:`round_arrivals`),
-        the others are decoded here."""
-        round_replies = accept_round(server_round, replies, self.acceptance, state=self.state,
-                                     terms=self.round_terms(server_round), identity=self.client_key_of,
-                                     broadcast=self.rule.broadcast(),
-                                     arrivals=arrivals or self.round_arrivals(server_round))
+        ``replies``; ``arrivals``: those of them decoded as they came (:meth:`round_arrivals`;
+        None: none was), the others are decoded here."""
+        if arrivals is None:
+            arrivals = self.round_arrivals(server_round)
+        round_replies = accept_round(server_round, replies, self.acceptance, identity=self.client_key_of,
+                                     broadcast=self.rule.broadcast(), arrivals=arrivals)
         accepted, rejected = round_replies.accepted, round_replies.rejected
         missing = max(self.messages_sent - round_replies.received, 0)
         if missing:
@@ -459,12 +464,14 @@ class AlgorithmStrategy(Strategy):
             messages = self.configure_train(server_round, arrays, ConfigRecord(), grid)
             arrivals = self.round_arrivals(server_round)
             replies = self.exchange(grid, messages, timeout, on_replies=arrivals.feed)
+            # from the last reply, or from the timeout that ended the wait for a missing one
+            waited = arrivals.last_arrival if len(replies) == len(messages) else time.perf_counter()
             new_arrays, train_metrics = self.aggregate_train(server_round, replies, arrivals)
             arrays = new_arrays or arrays
             row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
                    **dict(train_metrics or {})}
-            if arrivals.last_arrival is not None:  # the ServerApp's work no client overlaps
-                row["server_seconds"] = time.perf_counter() - arrivals.last_arrival
+            if waited is not None:  # the ServerApp's work no client overlaps
+                row["server_seconds"] = time.perf_counter() - waited
             client_eval = self.aggregate_evaluate(
                 server_round,
                 self.exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))

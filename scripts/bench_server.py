@@ -54,7 +54,7 @@ from flwr.app import Message, Metadata, MessageType, MetricRecord, RecordDict  #
 
 from fedact_app.algorithms import ALGORITHMS  # noqa: E402
 from fedact_app.diagnostics import vector_norms, vectors_direction_consistency  # noqa: E402
-from fedact_app.packing import as_vector  # noqa: E402
+from fedact_app.packing import VectorPool, as_vector  # noqa: E402
 from fedact_app.replies import ReplyError, decode_update, decode_updates, moment_outliers, update_ratios  # noqa: E402
 from bench_aggregation import fedact_state, updates_of  # noqa: E402  (scripts/)
 from bench_run import machine  # noqa: E402  (scripts/)
@@ -101,12 +101,16 @@ class Round:
         self.x = self.strategy.state
         self.trainable, self.replies = trainable, replies
         self.messages = [message(node + 1, content) for node, content in enumerate(replies)]
-        self.updates = self.decode()
+        # the pieces after decoding read replies of their own: the strategy's vectors are rewritten
+        # by every piece that decodes
+        self.updates = self.decode(pool=VectorPool(pin=device.type == "cuda"))
 
-    def decode(self):
-        self.strategy.vectors.recycle()  # as the strategy does: each round into the last round's vectors
+    def decode(self, pool: VectorPool | None = None):
+        if pool is None:
+            pool = self.strategy.vectors
+            pool.recycle()  # as the strategy does: each round into the last round's vectors
         updates = decode_updates(self.replies, self.x, self.rule.reply_keys, self.trainable,
-                                 self.rule.nonnegative_keys, pool=self.strategy.vectors)
+                                 self.rule.nonnegative_keys, pool=pool)
         if refused := [u for u in updates if isinstance(u, ReplyError)]:
             raise RuntimeError(f"a reply was refused: {refused[0]}")
         return updates

@@ -256,10 +256,9 @@ def test_the_selection_threads_hold_their_scratch_before_their_first_task(monkey
 
 def test_a_pool_made_while_the_chunk_size_was_another_is_not_handed_out(monkeypatch):
     """Pools are kept per chunk size: after a pool was made under a small ``_HOST_CHUNK`` (as a test
-    sets it), the selection at the real size gets threads holding scratch of that size. One pool
-    for both handed out threads with the small scratch, which made new scratch in steps after the
-    first: on the 16-core GPU machine, 3.6 and 6.8 MB at the peak of the numpy global scope's
-    steps in the allocation test, which ran after such a test in the same process."""
+    sets it), the selection at the real size gets threads holding scratch of that size, so none
+    makes new scratch in a step after the first (a pool shared by both sizes would hand out
+    threads with the small scratch: docs/PERFORMANCE.md has what that cost a later test)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     monkeypatch.setattr(topk, "_POOL", {})
     try:

@@ -264,7 +264,7 @@ def test_aggregation_does_not_depend_on_the_order_replies_arrive_in():
         assert all(torch.equal(rule[k][n], results[0][1][k][n]) for k in rule for n in TRAINABLE)
 
 
-def test_replies_decoded_as_they_arrive_give_the_round_of_replies_decoded_at_its_end(monkeypatch):
+def test_replies_decoded_as_they_arrive_give_the_round_of_replies_decoded_at_its_end(monkeypatch, caplog):
     """The strategy decodes replies as they are pulled (Arrivals.feed); a round whose replies came
     in two pulls, and one whose second reply was never fed, equal bit for bit the round decoded
     all at once, the bad reply refused alike, and every record is decoded once."""
@@ -274,6 +274,8 @@ def test_replies_decoded_as_they_arrive_give_the_round_of_replies_decoded_at_its
     monkeypatch.setattr(replies_module, "decode_updates",
                         lambda contents, *a, **kw: (decoded.extend(map(id, contents)), decode(contents, *a, **kw))[1])
     contents = [good_content(scale=1.0 + i / 7) for i in range(3)] + [BAD["negative v"]]
+    for i, content in enumerate(contents[:3]):  # each update's examples weigh its own message's loss
+        content["metrics"] = MetricRecord({**dict(content["metrics"]), "num-examples": 10 + i, "train-loss": 1.0 + i})
     results = []
     for batches in ([], [[0, 2], [3]], [[2], [0, 3]]):
         strategy = fedact_strategy()
@@ -283,9 +285,13 @@ def test_replies_decoded_as_they_arrive_give_the_round_of_replies_decoded_at_its
         for batch in batches:
             arrivals.feed([replies[i] for i in batch])
         decoded.clear()
-        _, metrics = strategy.aggregate_train(1, replies, arrivals)
+        with caplog.at_level(logging.WARNING, logger="flwr"):
+            caplog.clear()
+            _, metrics = strategy.aggregate_train(1, replies, arrivals)
         assert len(decoded) == 4 - sum(map(len, batches))  # only the records not fed yet
         assert (metrics["clients"], metrics["rejected"]) == (3, 1)
+        assert "rejected reply of node 13: 'v' has negative values" in caplog.text
+        assert metrics["train_loss"] == (10 * 1.0 + 11 * 2.0 + 12 * 3.0) / 33  # each update with its message
         results.append((strategy.state, strategy.rule.state_dict(), metrics))
     for state, rule, metrics in results[1:]:
         assert all(torch.equal(state[n], results[0][0][n]) for n in STATE)
@@ -329,6 +335,33 @@ def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monk
                  initial_state=dict(STATE))
     assert [(r["round"], r.get("clients")) for r in rows] == [(0, None), (1, 2), (2, 2)]
     assert decoded_outside == [] and all(0 <= r["server_seconds"] < r["seconds"] for r in rows[1:])
+
+
+def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypatch):
+    """A round whose third client never replies waits until its timeout (here 0.5 s of the
+    exchange); ``server_seconds`` counts the ServerApp's work from then on, not that wait."""
+    import fedact_app.strategy as strategy_module
+
+    strategy = fedact_strategy()
+    replies = [reply(1, good_content()), reply(2, good_content(scale=2.0))]
+
+    def exchange(grid, messages, timeout, on_replies=None):
+        if not messages:
+            return []
+        on_replies(replies)
+        time.sleep(0.5)  # the wait for the third reply, until the timeout
+        return replies
+
+    def configure_train(*args):
+        strategy.messages_sent = 3
+        return ["to node 1", "to node 2", "to node 3"]
+
+    monkeypatch.setattr(strategy_module, "exchange", exchange)
+    monkeypatch.setattr(strategy, "configure_train", configure_train)
+    rows = []
+    strategy.run(None, num_rounds=1, timeout=0.5, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
+                 initial_state=dict(STATE))
+    assert rows[1]["missing"] == 1 and rows[1]["seconds"] >= 0.5 and rows[1]["server_seconds"] < 0.4
 
 
 def with_partition(partition_id):
