@@ -455,8 +455,10 @@ class AlgorithmStrategy(Strategy):
         self.summary()
         if initial_state is not None:
             self.state = {name: t.to(self.device) for name, t in initial_state.items()}
-        if first_round == 1:
-            on_round_end({"round": 0, **(evaluate_fn(0, self.state) or {})})
+        if first_round == 1:  # round 0: the initial model's evaluation, and how long it took
+            evaluating = time.perf_counter()
+            row = {"round": 0, **(evaluate_fn(0, self.state) or {})}
+            on_round_end({**row, "seconds": time.perf_counter() - evaluating})
         arrays = packed_record(self.state)
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()

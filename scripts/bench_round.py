@@ -96,9 +96,10 @@ def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
 
 
 def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) -> tuple[list[dict], dict]:
-    """The rows of metrics.jsonl of one simulation run, and its times: ``wall`` (the whole run),
-    ``round1_start`` (seconds from the launch to round 1's start: start-up and the initial
-    evaluation) and ``round_ends`` (Unix time at the end of each row's round)."""
+    """The rows of metrics.jsonl of one simulation run (round 1 on), and its times: ``wall`` (the
+    whole run), ``round1_start`` (seconds from the launch to round 1's start: start-up and the
+    initial evaluation), ``round_ends`` (Unix time at the end of each row's round) and
+    ``round0_seconds`` (the initial evaluation's, None where the row does not say)."""
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     begun = time.time()
     result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=args.clients,
@@ -111,6 +112,7 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     if not metrics:
         raise RuntimeError(f"no metrics.jsonl under {output_dir}:\n{result.tail()}")
     rows = [json.loads(line) for line in metrics[-1].read_text().splitlines() if line.strip()]
+    initial = next((row for row in rows if row["round"] == 0), {})
     rows = [row for row in rows if row["round"] >= 1]
     # the last row was written as the last round ended (the file's modification time); the
     # rounds before it ended each its own seconds earlier
@@ -119,7 +121,8 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     for row in rows:
         clock += row["seconds"]
         ends.append(clock)
-    return rows, {"wall": result.seconds, "round1_start": round1 - begun, "round_ends": ends}
+    return rows, {"wall": result.seconds, "round1_start": round1 - begun, "round_ends": ends,
+                  "round0_seconds": initial.get("seconds")}
 
 
 def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
@@ -303,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    f"of the {flower_round:.2f} s round"))
     rounds_done = flower_rows[-1]["round"]
     projected = times["round1_start"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round
-    print(f"round 1 started {times['round1_start']:.1f} s after the launch; this {rounds_done}-round run took "
-          f"{flower_wall:.1f} s; a {args.project_rounds}-round run at this round: {projected:.0f} s "
+    evaluation = ("" if times["round0_seconds"] is None else
+                  f" ({times['round0_seconds']:.1f} s of it the ServerApp's evaluation of the initial model)")
+    print(f"round 1 started {times['round1_start']:.1f} s after the launch{evaluation}; this {rounds_done}-round run "
+          f"took {flower_wall:.1f} s; a {args.project_rounds}-round run at this round: {projected:.0f} s "
           f"({projected / 60:.1f} min)")
     return 0
 

@@ -301,7 +301,8 @@ def test_replies_decoded_as_they_arrive_give_the_round_of_replies_decoded_at_its
 
 def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monkeypatch):
     """In the round loop every training reply is decoded within the exchange (as its pull brings
-    it), and the round's row carries ``server_seconds``: from the last reply to the new state."""
+    it), and the round's row carries ``server_seconds``: from the last reply to the new state;
+    round 0's row, the initial evaluation's ``seconds``."""
     import fedact_app.replies as replies_module
     import fedact_app.strategy as strategy_module
 
@@ -335,6 +336,7 @@ def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monk
                  initial_state=dict(STATE))
     assert [(r["round"], r.get("clients")) for r in rows] == [(0, None), (1, 2), (2, 2)]
     assert decoded_outside == [] and all(0 <= r["server_seconds"] < r["seconds"] for r in rows[1:])
+    assert rows[0]["seconds"] >= 0 and "server_seconds" not in rows[0]  # round 0: the initial evaluation
 
 
 def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypatch):
