@@ -463,7 +463,7 @@ class AlgorithmStrategy(Strategy):
         for server_round in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             lr = self.lr_schedule(server_round)
-            messages = self.configure_train(server_round, arrays, ConfigRecord(), grid)
+            messages = list(self.configure_train(server_round, arrays, ConfigRecord(), grid))
             arrivals = self.round_arrivals(server_round)
             replies = self.exchange(grid, messages, timeout, on_replies=arrivals.feed)
             # from the last reply, or from the timeout that ended the wait for a missing one
