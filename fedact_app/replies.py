@@ -254,6 +254,15 @@ def count(metrics: MetricRecord, key: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def partition_problem(identity: ClientKey, content: RecordDict) -> str | None:
+    """Why the reply's ``partition-id`` does not fit the node (:func:`check_partition`), or None."""
+    try:
+        check_partition(identity, content["metrics"])
+    except ReplyError as err:
+        return str(err)
+    return None
+
+
 def check_partition(identity: ClientKey, metrics: MetricRecord) -> None:
     """A reply's ``partition-id`` (when it sends one) must be an integer >= 0 and, for a node
     that identified by its partition (``identity``, fedact_app.sampling), that partition."""
@@ -325,14 +334,16 @@ class Arrivals:
     def __init__(self, decode: Callable[[Sequence[RecordDict]], list[ClientUpdate | ReplyError]]) -> None:
         self._decode = decode
         self._decoded: dict[int, tuple[RecordDict, ClientUpdate | ReplyError]] = {}  # by id() of the content
-        self.last_arrival: float | None = None  # time.perf_counter() when the last replies were fed
+        self.last_pull: float | None = None  # time.perf_counter() of the last pull fed (its replies or none)
 
     def feed(self, replies: Iterable[Message]) -> None:
-        """Decode these replies now (a Flower error reply has nothing to decode)."""
-        self.last_arrival = time.perf_counter()
+        """One pull's replies (possibly none), decoded now (a Flower error reply has nothing to
+        decode). The last pull of a round ended its wait: for the last reply, or at the timeout."""
+        self.last_pull = time.perf_counter()
         contents = [msg.content for msg in replies if not msg.has_error()]
-        for content, update in zip(contents, self._decode(contents)):
-            self._decoded[id(content)] = (content, update)
+        if contents:
+            for content, update in zip(contents, self._decode(contents)):
+                self._decoded[id(content)] = (content, update)
 
     def updates(self, contents: Sequence[RecordDict]) -> list[ClientUpdate | ReplyError]:
         """The decoded update (or ``ReplyError``) of each of ``contents``, in order: the one
@@ -372,13 +383,12 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
             continue
         out.bytes_received += record_bytes(msg.content)
         update = next(decoded)
-        try:
-            if isinstance(update, ReplyError):
-                raise update
-            check_partition(identity(node), msg.content["metrics"])
-        except ReplyError as err:
+        # the refusal's text, not the error re-raised: a raised error's traceback would hold this
+        # frame, and with it every decoded update of the round, until the cycle collector runs
+        reason = str(update) if isinstance(update, ReplyError) else partition_problem(identity(node), msg.content)
+        if reason is not None:
             out.rejected += 1
-            log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, err)
+            log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, reason)
             continue
         passed.append(Accepted(identity(node), node, update, dict(msg.content["metrics"])))
     passed.sort(key=lambda item: (item.key, item.node))

@@ -68,9 +68,9 @@ REPLY_POLL = (0.005, 0.05)  # first and longest wait between two pulls of replie
 
 
 def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
-             on_replies: Callable[[list[Message]], None] | None = None) -> list[Message]:
+             on_pull: Callable[[list[Message]], None] | None = None) -> list[Message]:
     """Push ``messages`` and pull their replies until all have come or ``timeout`` seconds passed;
-    ``on_replies`` gets each pull's replies as they come (:func:`collect`).
+    ``on_pull`` gets each pull's replies as they come (:func:`collect`).
 
     What ``Grid.send_and_receive`` does, without its fixed sleep between two pulls (Flower 1.41:
     3 s in a deployment's ``HttpGrid``, 0.1 s in simulation's ``InMemoryGrid``), which a round
@@ -79,17 +79,17 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
     with twenty pulls a second while clients train (a pull is one small query of the SuperLink;
     a cap of 0.25 s cost a simulated round about 0.1 s more, docs/PERFORMANCE.md).
     """
-    return collect(grid, set(grid.push_messages(messages)), timeout, on_replies)
+    return collect(grid, set(grid.push_messages(messages)), timeout, on_pull)
 
 
 def collect(grid: Grid, pending: set[str], timeout: float | None,
-            on_replies: Callable[[list[Message]], None] | None = None) -> list[Message]:
+            on_pull: Callable[[list[Message]], None] | None = None) -> list[Message]:
     """Pull the replies to the message ids in ``pending`` (removing each answered id from it)
     until none is left or ``timeout`` seconds passed (0: one pull); ``exchange`` has the waits.
-    ``on_replies(pulled)`` runs after every pull that brought replies, before the next pull (the
-    strategy decodes them there while other clients still train). A pull before the timeout is
-    followed by one more, without a wait, even when ``on_replies`` took the time left: the replies
-    that came while it ran are collected."""
+    ``on_pull(pulled)`` runs after every pull, with the replies it brought (possibly none),
+    before the next pull (the strategy decodes them there while other clients still train). A
+    pull before the timeout is followed by one more, without a wait, even when ``on_pull`` took
+    the time left: the replies that came while it ran are collected."""
     replies: list[Message] = []
     deadline = None if timeout is None else time.monotonic() + timeout
     wait = REPLY_POLL[0]
@@ -98,8 +98,8 @@ def collect(grid: Grid, pending: set[str], timeout: float | None,
         left = math.inf if deadline is None else deadline - time.monotonic()
         replies.extend(pulled)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
-        if pulled and on_replies is not None:
-            on_replies(pulled)
+        if on_pull is not None:
+            on_pull(pulled)
         if not pending or left <= 0:
             break
         remaining = math.inf if deadline is None else deadline - time.monotonic()
@@ -428,10 +428,10 @@ class AlgorithmStrategy(Strategy):
         self.empty_rounds = int(state["empty_rounds"])
 
     def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float,
-                 on_replies: Callable[[list[Message]], None] | None = None) -> list[Message]:
+                 on_pull: Callable[[list[Message]], None] | None = None) -> list[Message]:
         """:func:`exchange`, counting the messages left without a reply in :attr:`unanswered`."""
         messages = list(messages)
-        replies = exchange(grid, messages, timeout, on_replies)
+        replies = exchange(grid, messages, timeout, on_pull)
         self.unanswered += len(messages) - len(replies)
         return replies
 
@@ -465,15 +465,14 @@ class AlgorithmStrategy(Strategy):
             lr = self.lr_schedule(server_round)
             messages = list(self.configure_train(server_round, arrays, ConfigRecord(), grid))
             arrivals = self.round_arrivals(server_round)
-            replies = self.exchange(grid, messages, timeout, on_replies=arrivals.feed)
-            # from the last reply, or from the timeout that ended the wait for a missing one
-            waited = arrivals.last_arrival if len(replies) == len(messages) else time.perf_counter()
+            replies = self.exchange(grid, messages, timeout, on_pull=arrivals.feed)
             new_arrays, train_metrics = self.aggregate_train(server_round, replies, arrivals)
+            del replies  # the replies' bytes, not needed through the evaluation below
             arrays = new_arrays or arrays
             row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
                    **dict(train_metrics or {})}
-            if waited is not None:  # the ServerApp's work no client overlaps
-                row["server_seconds"] = time.perf_counter() - waited
+            if arrivals.last_pull is not None:  # from the pull that ended the wait: no client overlaps this
+                row["server_seconds"] = time.perf_counter() - arrivals.last_pull
             client_eval = self.aggregate_evaluate(
                 server_round,
                 self.exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))

@@ -287,7 +287,8 @@ def report(setting: str, overrides: str, plain: list[dict], alone: list[dict], j
     walls = [a["wall"] for a in alone]
     lines.append(f"{'1. app run alone (launcher, start to exit)':44} {spread(walls):>22} "
                  f"{med(walls) / med([p['wall'] for p in plain]):>7.2f}x")
-    for name, key in (("start-up until the run folder", "startup"), ("ServerApp round 0 (evaluation)", "round0")):
+    for name, key in (("start-up until the run folder", "startup"),
+                      ("ServerApp outside rounds 1..R", "round0")):
         lines.append(f"{'  ' + name:44} {spread([a[key] for a in alone]):>22}")
     app_rounds = [sum(a["rounds"]) for a in alone]
     lines.append(f"{'  round 1 (Ray, actors, identification)':44} {spread([a['rounds'][0] for a in alone]):>22}")

@@ -40,15 +40,17 @@ def test_exchange_returns_every_reply_soon_after_the_last_one_arrives():
 
 
 def test_exchange_hands_each_pull_s_replies_over_before_the_next_pull():
-    """``on_replies`` gets the replies of every pull that brought some, once each, before the
-    next pull: what lets the strategy decode early replies while the last clients train."""
+    """``on_pull`` gets the replies of every pull (none, for a pull that brought none), once
+    each, before the next pull: what lets the strategy decode early replies while the last
+    clients train."""
     grid = TimedGrid([0.0, 0.3, 0.3])
     handed = []
     replies = exchange(grid, ["a", "b", "c"], timeout=30.0,
-                       on_replies=lambda pulled: handed.append((grid.pulls, [r.metadata.reply_to_message_id
-                                                                              for r in pulled])))
-    assert handed == grid.returned  # each pull's replies, handed over before the next pull
-    assert [ids for _, ids in handed] == [["m0"], ["m1", "m2"]]  # m1 and m2 are ready at the same pull
+                       on_pull=lambda pulled: handed.append((grid.pulls, [r.metadata.reply_to_message_id
+                                                                           for r in pulled])))
+    assert [pull for pull, _ in handed] == list(range(1, grid.pulls + 1))  # every pull, before the next
+    assert [(pull, ids) for pull, ids in handed if ids] == grid.returned  # with the replies it brought
+    assert [ids for _, ids in handed if ids] == [["m0"], ["m1", "m2"]]  # m1 and m2 come in one pull
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
 
 
@@ -56,7 +58,7 @@ def test_replies_that_come_while_the_hand_over_outlasts_the_timeout_are_collecte
     """A hand-over (the strategy's decode) that takes the rest of the timeout is followed by one
     more pull: a reply that came meanwhile, before the timeout, is not counted as missing."""
     grid = TimedGrid([0.0, 0.3, None])
-    replies = exchange(grid, ["a", "b", "c"], timeout=0.5, on_replies=lambda pulled: time.sleep(0.6))
+    replies = exchange(grid, ["a", "b", "c"], timeout=0.5, on_pull=lambda pulled: pulled and time.sleep(0.6))
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1"]
 
 

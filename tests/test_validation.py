@@ -299,6 +299,36 @@ def test_replies_decoded_as_they_arrive_give_the_round_of_replies_decoded_at_its
         assert dict(metrics) == dict(results[0][2])
 
 
+def test_a_refused_reply_leaves_no_decoded_update_alive_after_the_round(monkeypatch):
+    """Once ``aggregate_train`` returns nothing holds the round's decoded updates, with the cycle
+    collector off (on a GPU server they are device memory): a refused reply's error raised again
+    would tie every update of the round to its traceback until a collection."""
+    import gc
+    import weakref
+
+    import fedact_app.replies as replies_module
+
+    decode, alive = replies_module.decode_updates, []
+
+    def tracked(contents, *args, **kwargs):
+        updates = decode(contents, *args, **kwargs)
+        alive.extend(weakref.ref(u) for u in updates if not isinstance(u, ReplyError))
+        return updates
+
+    monkeypatch.setattr(replies_module, "decode_updates", tracked)
+    strategy = fedact_strategy()
+    strategy.messages_sent = 3
+    gc.collect()
+    gc.disable()
+    try:
+        _, metrics = strategy.aggregate_train(1, [reply(1, good_content()), reply(2, good_content(scale=2.0)),
+                                                  reply(3, BAD["negative v"])])
+        assert (metrics["clients"], metrics["rejected"]) == (2, 1)
+        assert len(alive) == 2 and [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()
+
+
 def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monkeypatch):
     """In the round loop every training reply is decoded within the exchange (as its pull brings
     it), and the round's row carries ``server_seconds``: from the last reply to the new state;
@@ -315,12 +345,12 @@ def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monk
         decoded_outside.extend(c for c in contents if not exchanging[0])
         return decode(contents, *args, **kwargs)
 
-    def exchange(grid, messages, timeout, on_replies=None):
+    def exchange(grid, messages, timeout, on_pull=None):
         if not messages:  # the evaluation round (fraction_evaluate=0)
             return []
         exchanging[0] = True
         for pulled in replies:
-            on_replies([pulled])
+            on_pull([pulled])
         exchanging[0] = False
         return replies
 
@@ -347,11 +377,12 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
     strategy = fedact_strategy()
     replies = [reply(1, good_content()), reply(2, good_content(scale=2.0))]
 
-    def exchange(grid, messages, timeout, on_replies=None):
+    def exchange(grid, messages, timeout, on_pull=None):  # as strategy.collect pulls
         if not messages:
             return []
-        on_replies(replies)
+        on_pull(replies)
         time.sleep(0.5)  # the wait for the third reply, until the timeout
+        on_pull([])  # the last pull, at the timeout: nothing
         return replies
 
     def configure_train(*args):
@@ -394,7 +425,7 @@ def _rounds_without_replies(monkeypatch, strategy, **start_kwargs) -> list[dict]
     comes back), returning the rows it recorded."""
     import fedact_app.strategy as strategy_module
 
-    monkeypatch.setattr(strategy_module, "exchange", lambda grid, messages, timeout, on_replies=None: [])
+    monkeypatch.setattr(strategy_module, "exchange", lambda grid, messages, timeout, on_pull=None: [])
     monkeypatch.setattr(strategy, "configure_train", lambda *args: [])
     rows = []
     strategy.run(None, timeout=1.0, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
