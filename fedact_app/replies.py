@@ -254,25 +254,21 @@ def count(metrics: MetricRecord, key: str, minimum: int = 1) -> int:
     return int(value)
 
 
-def partition_problem(identity: ClientKey, content: RecordDict) -> str | None:
-    """Why the reply's ``partition-id`` does not fit the node (:func:`check_partition`), or None."""
+def partition_problem(identity: ClientKey, metrics: MetricRecord) -> str | None:
+    """Why a reply's ``partition-id`` does not fit the node, or None: when sent, it must be an
+    integer >= 0 and, for a node that identified by its partition (``identity``,
+    fedact_app.sampling), that partition. A reason, not a raised ``ReplyError``: the caller holds
+    the round's decoded updates, which a raised error's traceback would keep alive."""
+    if "partition-id" not in metrics:
+        return None
     try:
-        check_partition(identity, content["metrics"])
+        partition = count(metrics, "partition-id", minimum=0)
     except ReplyError as err:
         return str(err)
-    return None
-
-
-def check_partition(identity: ClientKey, metrics: MetricRecord) -> None:
-    """A reply's ``partition-id`` (when it sends one) must be an integer >= 0 and, for a node
-    that identified by its partition (``identity``, fedact_app.sampling), that partition."""
-    if "partition-id" not in metrics:
-        return
-    partition = count(metrics, "partition-id", minimum=0)
     kind, identified, _ = identity
     if kind == 0 and partition != identified:
-        raise ReplyError(f"metric 'partition-id' {partition} differs from the partition-id={identified} "
-                         f"this node identified as")
+        return f"metric 'partition-id' {partition} differs from the partition-id={identified} this node identified as"
+    return None
 
 
 # ---------------------------------------------------------------- the round's acceptance
@@ -363,7 +359,7 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
 
     Every reply is decoded and checked by ``arrivals`` (:func:`round_arrivals`: :func:`decode_update`
     against the global state and the round's terms; at its arrival, or here for a reply it has not
-    seen) and by :func:`check_partition` against the node's ``identity``; the ones that pass are
+    seen) and by :func:`partition_problem` against the node's ``identity``; the ones that pass are
     put in a fixed order (float sums depend on their order and replies arrive in any: the
     clients' identities, then node id, so a run repeats bit for bit) and measured against each
     other (:func:`moment_outliers`, :func:`update_ratios`; ``broadcast``: the server's current
@@ -385,7 +381,8 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
         update = next(decoded)
         # the refusal's text, not the error re-raised: a raised error's traceback would hold this
         # frame, and with it every decoded update of the round, until the cycle collector runs
-        reason = str(update) if isinstance(update, ReplyError) else partition_problem(identity(node), msg.content)
+        reason = (str(update) if isinstance(update, ReplyError)
+                  else partition_problem(identity(node), msg.content["metrics"]))
         if reason is not None:
             out.rejected += 1
             log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, reason)
