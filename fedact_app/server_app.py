@@ -120,7 +120,8 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
         final_state = strategy.run(grid, cfg.num_rounds, cfg.round_timeout, evaluate_fn=evaluator,
                                    on_round_end=recorder.record_round,
                                    initial_state=None if resume else initial_state,
-                                   first_round=resume.checkpoint.round + 1 if resume else 1, after_round=after_round)
+                                   first_round=resume.checkpoint.round + 1 if resume else 1, after_round=after_round,
+                                   overlap_evaluation=lambda server_round: not checkpointer.due(server_round))
     finally:
         remove_run_locks(context.run_id)  # the simulated nodes' slots (fedact_app.node_slot)
     recorder.finish(final_state)

@@ -68,9 +68,12 @@ REPLY_POLL = (0.005, 0.05)  # first and longest wait between two pulls of replie
 
 
 def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
-             on_pull: Callable[[list[Message]], None] | None = None) -> list[Message]:
-    """Push ``messages`` and pull their replies until all have come or ``timeout`` seconds passed;
-    ``on_pull`` gets each pull's replies as they come (:func:`collect`).
+             on_pull: Callable[[list[Message]], None] | None = None,
+             while_waiting: Callable[[], None] | None = None) -> list[Message]:
+    """Push ``messages`` and pull their replies until all have come or ``timeout`` seconds passed
+    since the push; ``on_pull`` gets each pull's replies as they come (:func:`collect`), and
+    ``while_waiting()`` runs once between the push and the first pull (the ServerApp's own work
+    that the clients' training then hides: the last round's evaluation).
 
     What ``Grid.send_and_receive`` does, without its fixed sleep between two pulls (Flower 1.41:
     3 s in a deployment's ``HttpGrid``, 0.1 s in simulation's ``InMemoryGrid``), which a round
@@ -79,7 +82,12 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
     with twenty pulls a second while clients train (a pull is one small query of the SuperLink;
     a cap of 0.25 s cost a simulated round about 0.1 s more, docs/PERFORMANCE.md).
     """
-    return collect(grid, set(grid.push_messages(messages)), timeout, on_pull)
+    pushed = time.monotonic()
+    pending = set(grid.push_messages(messages))
+    if while_waiting is not None:
+        while_waiting()
+    left = None if timeout is None else max(0.0, timeout - (time.monotonic() - pushed))
+    return collect(grid, pending, left, on_pull)
 
 
 def collect(grid: Grid, pending: set[str], timeout: float | None,
@@ -428,10 +436,11 @@ class AlgorithmStrategy(Strategy):
         self.empty_rounds = int(state["empty_rounds"])
 
     def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float,
-                 on_pull: Callable[[list[Message]], None] | None = None) -> list[Message]:
+                 on_pull: Callable[[list[Message]], None] | None = None,
+                 while_waiting: Callable[[], None] | None = None) -> list[Message]:
         """:func:`exchange`, counting the messages left without a reply in :attr:`unanswered`."""
         messages = list(messages)
-        replies = exchange(grid, messages, timeout, on_pull)
+        replies = exchange(grid, messages, timeout, on_pull, while_waiting)
         self.unanswered += len(messages) - len(replies)
         return replies
 
@@ -444,50 +453,84 @@ class AlgorithmStrategy(Strategy):
     def run(self, grid: Grid, num_rounds: int, timeout: float,
             evaluate_fn: Callable[[int, TensorDict], dict | None],
             on_round_end: Callable[[dict], None], *, initial_state: TensorDict | None = None,
-            first_round: int = 1, after_round: Callable[[int], None] | None = None) -> TensorDict:
+            first_round: int = 1, after_round: Callable[[int], None] | None = None,
+            overlap_evaluation: Callable[[int], bool] = lambda server_round: True) -> TensorDict:
         """Run rounds ``first_round..num_rounds`` from ``initial_state`` (or, resuming, from what
         ``load_state_dict`` restored) and return the final global state. ``evaluate_fn(round,
         state)`` evaluates the global model (round 0 = before training, only when
         ``first_round`` is 1), ``on_round_end(row)`` receives each round's metrics and
         ``after_round(round)`` runs after it (checkpoints). Flower's own ``Strategy.start`` (its
         round loop for ArrayRecords) is not used: this loop adds the method's broadcast arrays,
-        the reply checks and the empty-round accounting. The returned state is on the CPU."""
+        the reply checks and the empty-round accounting. The returned state is on the CPU.
+
+        A round's central evaluation, its row and ``after_round`` run while the next round's
+        clients train (between that round's push and its first pull), so the evaluation adds
+        nothing to the round where the clients train elsewhere (on a GPU, on other machines):
+        round 0's while round 1 trains, round r's while round r + 1 does. Not so for the last
+        round, nor for a round where ``overlap_evaluation(round)`` is False: ``after_round`` of a
+        checkpoint reads the clients' kept state, which the next round's clients rewrite. Rows
+        are recorded in round order, each round's evaluation is of its own state, and a round's
+        ``seconds`` run from its messages' push to the next round's (to its end where nothing
+        overlaps it); round 0's are its evaluation's."""
         self.summary()
         if initial_state is not None:
             self.state = {name: t.to(self.device) for name, t in initial_state.items()}
-        if first_round == 1:  # round 0: the initial model's evaluation, and how long it took
+
+        def finish(row: dict, started: float, ended: float | None) -> None:
+            """Round ``row["round"]``'s evaluation, row and ``after_round``; the round ended at
+            ``ended`` (the next round's start) or, None, when this evaluation does."""
             evaluating = time.perf_counter()
-            row = {"round": 0, **(evaluate_fn(0, self.state) or {})}
-            on_round_end({**row, "seconds": time.perf_counter() - evaluating})
-        arrays = packed_record(self.state)
-        for server_round in range(first_round, num_rounds + 1):
-            started = time.perf_counter()
-            lr = self.lr_schedule(server_round)
-            messages = list(self.configure_train(server_round, arrays, ConfigRecord(), grid))
-            arrivals = self.round_arrivals(server_round)
-            replies = self.exchange(grid, messages, timeout, on_pull=arrivals.feed)
-            new_arrays, train_metrics = self.aggregate_train(server_round, replies, arrivals)
-            del replies  # the replies' bytes, not needed through the evaluation below
-            arrays = new_arrays or arrays
-            row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
-                   **dict(train_metrics or {})}
-            if arrivals.last_pull is not None:  # from the pull that ended the wait: no client overlaps this
-                row["server_seconds"] = time.perf_counter() - arrivals.last_pull
-            client_eval = self.aggregate_evaluate(
-                server_round,
-                self.exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))
-            row.update(dict(client_eval or {}))
-            row.update(evaluate_fn(server_round, self.state) or {})
-            row["seconds"] = time.perf_counter() - started
+            evaluation = evaluate_fn(row["round"], self.state) or {}
+            now = time.perf_counter()
+            row.update(evaluation)
+            if evaluation and row["round"]:
+                row["eval_seconds"] = now - evaluating
+            row["seconds"] = now - evaluating if row["round"] == 0 else (ended or now) - started
             on_round_end(row)
-            self.empty_rounds = 0 if new_arrays is not None else self.empty_rounds + 1
-            if after_round is not None:
-                after_round(server_round)
-            if self.empty_rounds >= self.max_empty_rounds:
-                raise RuntimeError(
-                    f"No usable client reply in {self.empty_rounds} consecutive rounds (up to round "
-                    f"{server_round}); stopping (max_empty_rounds={self.max_empty_rounds}). The "
-                    f"reasons are logged above as 'node ... failed' / 'rejected reply'.")
+            if after_round is not None and row["round"]:
+                after_round(row["round"])
+
+        unfinished: list[tuple[dict, float]] = []  # the round whose evaluation the next round's clients hide
+
+        def finish_unfinished(ended: float) -> None:
+            if unfinished:
+                finish(*unfinished.pop(), ended)
+
+        if first_round == 1:  # round 0: the initial model's evaluation, while round 1's clients train
+            unfinished.append(({"round": 0}, time.perf_counter()))
+        arrays = packed_record(self.state)
+        try:
+            for server_round in range(first_round, num_rounds + 1):
+                started = time.perf_counter()
+                lr = self.lr_schedule(server_round)
+                messages = list(self.configure_train(server_round, arrays, ConfigRecord(), grid))
+                arrivals = self.round_arrivals(server_round)
+                replies = self.exchange(grid, messages, timeout, on_pull=arrivals.feed,
+                                        while_waiting=lambda: finish_unfinished(started))
+                new_arrays, train_metrics = self.aggregate_train(server_round, replies, arrivals)
+                del replies  # the replies' bytes, not needed through the evaluation below
+                arrays = new_arrays or arrays
+                row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
+                       **dict(train_metrics or {})}
+                if arrivals.last_pull is not None:  # from the pull that ended the wait: no client overlaps this
+                    row["server_seconds"] = time.perf_counter() - arrivals.last_pull
+                client_eval = self.aggregate_evaluate(
+                    server_round,
+                    self.exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))
+                row.update(dict(client_eval or {}))
+                self.empty_rounds = 0 if new_arrays is not None else self.empty_rounds + 1
+                if server_round < num_rounds and overlap_evaluation(server_round):
+                    unfinished.append((row, started))
+                else:
+                    finish(row, started, None)
+                if self.empty_rounds >= self.max_empty_rounds:
+                    raise RuntimeError(
+                        f"No usable client reply in {self.empty_rounds} consecutive rounds (up to round "
+                        f"{server_round}); stopping (max_empty_rounds={self.max_empty_rounds}). The "
+                        f"reasons are logged above as 'node ... failed' / 'rejected reply'.")
+        except Exception:
+            finish_unfinished(time.perf_counter())  # a failing round does not lose the one before it
+            raise
         if self.empty_rounds >= num_rounds:
             # fewer rounds than max_empty_rounds and none of them usable (a resumed run counts the
             # rounds before its checkpoint too): not a completed run

@@ -40,7 +40,8 @@ diagnostics are off in the Flower run (``diagnostics.trust_every=0``), so both s
 same; ``bench_diagnostics.py`` measures them. The plain loop trains as the clients do with the
 run's ``precision``, ``channels_last`` and ``compile_model``. It also prints the median
 ``server_seconds`` (metrics.jsonl): the ServerApp's work after a round's last reply, which no
-client overlaps (the other replies were decoded as they came).
+client overlaps (the other replies were decoded as they came), and the median ``eval_seconds``:
+its evaluation of a round's model, which runs while the next round's clients train.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
 
 def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) -> tuple[list[dict], dict]:
     """The rows of metrics.jsonl of one simulation run (round 1 on), and its times: ``wall`` (the
-    whole run), ``round1_start`` (seconds from the launch to round 1's start: start-up and the
-    initial evaluation), ``round_ends`` (Unix time at the end of each row's round) and
+    whole run), ``round1_start`` (seconds from the launch to round 1's start: start-up),
+    ``round_ends`` (Unix time at the end of each row's round) and
     ``round0_seconds`` (the initial evaluation's, None where the row does not say)."""
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     begun = time.time()
@@ -295,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     if all("server_seconds" in row for row in flower):
         print(f"the ServerApp's work after a round's last reply (server_seconds: that reply's decode, the "
               f"checks, the rule, the next state's record): {median(flower, 'server_seconds'):.3f} s")
+    if all("eval_seconds" in row for row in flower):
+        print(f"the ServerApp's evaluation of a round's model (eval_seconds, while the next round's clients "
+              f"train): {median(flower, 'eval_seconds'):.3f} s")
     if device.type == "cuda":
         ends = times["round_ends"]
         first, last = flower[0]["round"], flower[-1]["round"]
@@ -307,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds_done = flower_rows[-1]["round"]
     projected = times["round1_start"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round
     evaluation = ("" if times["round0_seconds"] is None else
-                  f" ({times['round0_seconds']:.1f} s of it the ServerApp's evaluation of the initial model)")
+                  f" (the ServerApp's evaluation of the initial model, {times['round0_seconds']:.1f} s, ran while "
+                  f"round 1's clients trained)")
     print(f"round 1 started {times['round1_start']:.1f} s after the launch{evaluation}; this {rounds_done}-round run "
           f"took {flower_wall:.1f} s; a {args.project_rounds}-round run at this round: {projected:.0f} s "
           f"({projected / 60:.1f} min)")

@@ -65,10 +65,11 @@ def test_bench_round_quick_prints_the_split_and_the_ratio():
                 "idle / overhead", "plain PyTorch loop round"):
         assert re.search(rf"^ *{re.escape(row)}.* +-?\d+\.\d+", out, re.M), (row, out)
     assert re.search(r"^ratio Flower / plain loop: \d+\.\d+$", out, re.M), out
-    assert re.search(r"^round 1 started \d+\.\d s after the launch \(\d+\.\d s of it the ServerApp's evaluation "
-                     r"of the initial model\); this 2-round run took \d+\.\d s; a 300-round run at this round: \d+ s",
-                     out, re.M), out
+    assert re.search(r"^round 1 started \d+\.\d s after the launch \(the ServerApp's evaluation of the initial "
+                     r"model, \d+\.\d s, ran while round 1's clients trained\); this 2-round run took \d+\.\d s; "
+                     r"a 300-round run at this round: \d+ s", out, re.M), out
     assert re.search(r"^the ServerApp's work after a round's last reply .*: \d+\.\d{3} s$", out, re.M), out
+    assert re.search(r"^the ServerApp's evaluation of a round's model .*: \d+\.\d{3} s$", out, re.M), out
 
 
 def test_bench_round_paper_is_the_seeds_round_on_a_gpu():

@@ -32,7 +32,7 @@ APP_DIR = Path(__file__).resolve().parents[1]
 CONFIG = ("num_clients=6 fraction_train=0.5 min_train_nodes=3 num_rounds=4 local_steps=4 batch_size=16 "
           "eval_every=2 device=cpu seed=5 algorithm.lr=3e-3")
 # the wall-clock columns are the only ones a repeat may change
-CLOCK_COLUMNS = ("seconds", "client_train_seconds", "client_train_seconds_max", "server_seconds")
+CLOCK_COLUMNS = ("seconds", "client_train_seconds", "client_train_seconds_max", "server_seconds", "eval_seconds")
 JOBS = {"fedact-1": "algorithm=fedact", "fedact-2": "algorithm=fedact", "fedadamw": "algorithm=fedadamw"}
 NOTHING_THERE = "127.0.0.1:9"  # a Ray address a run would fail to reach
 

@@ -62,6 +62,18 @@ def test_replies_that_come_while_the_hand_over_outlasts_the_timeout_are_collecte
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1"]
 
 
+def test_work_while_waiting_runs_once_between_the_push_and_the_first_pull_within_the_timeout():
+    """``while_waiting`` (the last round's evaluation) runs after the push, before any pull, and its
+    time counts toward the round's timeout: here it takes all of it, so one pull follows, which
+    still brings the reply that came meanwhile."""
+    grid = TimedGrid([0.0, None])
+    seen = []
+    replies = exchange(grid, ["a", "b"], timeout=0.4,
+                       while_waiting=lambda: seen.append((grid.pushed_at is not None, grid.pulls)) or time.sleep(0.5))
+    assert seen == [(True, 0)] and grid.pulls == 1
+    assert [r.metadata.reply_to_message_id for r in replies] == ["m0"]
+
+
 def test_exchange_stops_at_the_timeout_with_the_replies_it_has():
     grid = TimedGrid([0.0, None])
     started = time.monotonic()
@@ -71,8 +83,9 @@ def test_exchange_stops_at_the_timeout_with_the_replies_it_has():
 
 
 def test_exchange_without_messages_returns_at_once():
-    grid = TimedGrid([])
-    assert exchange(grid, [], timeout=30.0) == [] and grid.pulls == 0
+    grid, waited = TimedGrid([]), []
+    assert exchange(grid, [], timeout=30.0, while_waiting=lambda: waited.append(1)) == [] and grid.pulls == 0
+    assert waited == [1]  # the work meant to overlap the clients still runs
 
 
 def test_the_strategy_counts_messages_left_without_a_reply_and_is_idle_only_without_any():

@@ -3,6 +3,7 @@ bad value), configs the data cannot feed, and bad client replies built as real F
 
 import logging
 import time
+from types import SimpleNamespace
 from dataclasses import fields, is_dataclass
 
 import numpy as np
@@ -345,7 +346,9 @@ def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monk
         decoded_outside.extend(c for c in contents if not exchanging[0])
         return decode(contents, *args, **kwargs)
 
-    def exchange(grid, messages, timeout, on_pull=None):
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+        if while_waiting is not None:
+            while_waiting()
         if not messages:  # the evaluation round (fraction_evaluate=0)
             return []
         exchanging[0] = True
@@ -377,7 +380,9 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
     strategy = fedact_strategy()
     replies = [reply(1, good_content()), reply(2, good_content(scale=2.0))]
 
-    def exchange(grid, messages, timeout, on_pull=None):  # as strategy.collect pulls
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):  # as strategy.collect pulls
+        if while_waiting is not None:
+            while_waiting()
         if not messages:
             return []
         on_pull(replies)
@@ -395,6 +400,117 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
     strategy.run(None, num_rounds=1, timeout=0.5, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
                  initial_state=dict(STATE))
     assert rows[1]["missing"] == 1 and rows[1]["seconds"] >= 0.5 and rows[1]["server_seconds"] < 0.4
+
+
+def logged_run(monkeypatch, num_rounds=3, overlap_evaluation=lambda server_round: True, fail_round=None,
+               evaluation_seconds=0.0, log=None):
+    """``strategy.run`` over ``num_rounds`` rounds of two good replies (scaled by the round, so
+    that every round's state differs), with the Grid exchange standing in as the clients would
+    answer: the replies come after ``while_waiting``. Fills and returns ``log`` (a fresh
+    namespace if None): the events in order ("push r", "pull r", "eval r", "row r", "after r"),
+    the states each evaluation got, the rows and the times of the pushes. Round
+    ``fail_round``'s sampling fails."""
+    import fedact_app.strategy as strategy_module
+
+    strategy = fedact_strategy()
+    log = log if log is not None else SimpleNamespace()
+    log.events, log.evaluated, log.rows, log.pushes = [], {}, [], []
+    current = [0]
+
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+        if not messages:  # the evaluation round (fraction_evaluate=0)
+            return []
+        log.events.append(f"push {current[0]}")
+        log.pushes.append(time.perf_counter())
+        while_waiting()
+        log.events.append(f"pull {current[0]}")
+        replies = [reply(1, good_content(scale=float(current[0]))), reply(2, good_content(scale=2.0))]
+        on_pull(replies)
+        return replies
+
+    def configure_train(server_round, *args):
+        if server_round == fail_round:
+            raise RuntimeError(f"no node for round {server_round}")
+        current[0] = server_round
+        strategy.messages_sent = 2
+        return ["to node 1", "to node 2"]
+
+    def evaluate(server_round, state):
+        log.events.append(f"eval {server_round}")
+        log.evaluated[server_round] = {name: t.clone() for name, t in state.items()}
+        time.sleep(evaluation_seconds)
+        return {"accuracy": float(server_round)}
+
+    def on_round_end(row):
+        log.events.append(f"row {row['round']}")
+        log.rows.append(row)
+
+    monkeypatch.setattr(strategy_module, "exchange", exchange)
+    monkeypatch.setattr(strategy, "configure_train", configure_train)
+    strategy.run(None, num_rounds=num_rounds, timeout=1.0, evaluate_fn=evaluate, on_round_end=on_round_end,
+                 initial_state=dict(STATE), after_round=lambda r: log.events.append(f"after {r}"),
+                 overlap_evaluation=overlap_evaluation)
+    return log
+
+
+def test_a_round_s_evaluation_and_row_run_while_the_next_round_s_clients_train(monkeypatch):
+    """Round r's evaluation, row and after_round run between round r + 1's push and its first
+    pull (round 0's within round 1); the last round's after its own replies."""
+    assert logged_run(monkeypatch).events == [
+        "push 1", "eval 0", "row 0", "pull 1",
+        "push 2", "eval 1", "row 1", "after 1", "pull 2",
+        "push 3", "eval 2", "row 2", "after 2", "pull 3",
+        "eval 3", "row 3", "after 3"]
+
+
+def test_a_round_that_must_not_overlap_the_next_ends_before_the_next_round_s_push(monkeypatch):
+    """Where ``overlap_evaluation(r)`` is False (a checkpoint, which reads the clients' kept
+    state), round r's evaluation, row and after_round come before round r + 1's messages."""
+    events = logged_run(monkeypatch, overlap_evaluation=lambda server_round: server_round != 2).events
+    assert events[events.index("pull 2"):] == ["pull 2", "eval 2", "row 2", "after 2",
+                                               "push 3", "pull 3", "eval 3", "row 3", "after 3"]
+
+
+def test_overlapped_evaluations_see_each_round_s_own_state_and_give_the_same_rows(monkeypatch):
+    """The overlapped schedule evaluates the same states (one per round, all different) and
+    records the same rows as the one that evaluates each round before the next begins."""
+    overlapped = logged_run(monkeypatch)
+    alone = logged_run(monkeypatch, overlap_evaluation=lambda server_round: False)
+    assert sorted(overlapped.evaluated) == sorted(alone.evaluated) == [0, 1, 2, 3]
+    for server_round, state in overlapped.evaluated.items():
+        for name, tensor in state.items():
+            assert torch.equal(tensor, alone.evaluated[server_round][name]), (server_round, name)
+    assert torch.equal(overlapped.evaluated[0]["w"], STATE["w"])
+    assert not torch.equal(overlapped.evaluated[1]["w"], overlapped.evaluated[2]["w"])  # every round's state differs
+    timed = ("seconds", "server_seconds", "eval_seconds")
+    assert ([{k: v for k, v in row.items() if k not in timed} for row in overlapped.rows]
+            == [{k: v for k, v in row.items() if k not in timed} for row in alone.rows])
+    assert [row["accuracy"] for row in overlapped.rows] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_failing_round_still_records_the_round_before_it(monkeypatch):
+    """Round 3's sampling fails while round 2's evaluation waits for round 3's push: round 2's
+    evaluation, row and after_round still run, before the error reaches the caller."""
+    log = SimpleNamespace()
+    with pytest.raises(RuntimeError, match="no node for round 3"):
+        logged_run(monkeypatch, fail_round=3, log=log)
+    assert log.events[-4:] == ["pull 2", "eval 2", "row 2", "after 2"]
+    assert [row["round"] for row in log.rows] == [0, 1, 2]
+
+
+def test_the_rounds_seconds_run_from_push_to_push_and_round_0_s_are_its_evaluation_s(monkeypatch):
+    """A round's ``seconds`` run from its start to the next round's (its own evaluation runs in
+    the next), so that they add up to the run's time from round 1 on; round 0's and
+    ``eval_seconds`` are the evaluation's own time."""
+    started = time.perf_counter()
+    log = logged_run(monkeypatch, evaluation_seconds=0.05)
+    ended = time.perf_counter()
+    rows = log.rows
+    for row, push, next_push in zip(rows[1:], log.pushes, log.pushes[1:]):
+        assert abs(row["seconds"] - (next_push - push)) < 0.02, row
+    assert abs(sum(row["seconds"] for row in rows[1:]) - (ended - log.pushes[0])) < 0.05
+    assert ended - started >= 4 * 0.05 and all(row["eval_seconds"] >= 0.05 for row in rows[1:])
+    assert 0.05 <= rows[0]["seconds"] < rows[1]["seconds"]  # round 1 holds round 0's evaluation
 
 
 def with_partition(partition_id):
@@ -425,7 +541,12 @@ def _rounds_without_replies(monkeypatch, strategy, **start_kwargs) -> list[dict]
     comes back), returning the rows it recorded."""
     import fedact_app.strategy as strategy_module
 
-    monkeypatch.setattr(strategy_module, "exchange", lambda grid, messages, timeout, on_pull=None: [])
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+        if while_waiting is not None:
+            while_waiting()
+        return []
+
+    monkeypatch.setattr(strategy_module, "exchange", exchange)
     monkeypatch.setattr(strategy, "configure_train", lambda *args: [])
     rows = []
     strategy.run(None, timeout=1.0, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
