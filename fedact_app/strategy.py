@@ -73,7 +73,7 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
     """Push ``messages`` and pull their replies until all have come or ``timeout`` seconds passed
     since the push; ``on_pull`` gets each pull's replies as they come (:func:`collect`), and
     ``while_waiting()`` runs once between the push and the first pull (the ServerApp's own work
-    that the clients' training then hides: the last round's evaluation).
+    that the clients' training then hides: the previous round's evaluation).
 
     What ``Grid.send_and_receive`` does, without its fixed sleep between two pulls (Flower 1.41:
     3 s in a deployment's ``HttpGrid``, 0.1 s in simulation's ``InMemoryGrid``), which a round
@@ -82,8 +82,8 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
     with twenty pulls a second while clients train (a pull is one small query of the SuperLink;
     a cap of 0.25 s cost a simulated round about 0.1 s more, docs/PERFORMANCE.md).
     """
-    pushed = time.monotonic()
     pending = set(grid.push_messages(messages))
+    pushed = time.monotonic()
     if while_waiting is not None:
         while_waiting()
     left = None if timeout is None else max(0.0, timeout - (time.monotonic() - pushed))
@@ -464,14 +464,16 @@ class AlgorithmStrategy(Strategy):
         the reply checks and the empty-round accounting. The returned state is on the CPU.
 
         A round's central evaluation, its row and ``after_round`` run while the next round's
-        clients train (between that round's push and its first pull), so the evaluation adds
-        nothing to the round where the clients train elsewhere (on a GPU, on other machines):
-        round 0's while round 1 trains, round r's while round r + 1 does. Not so for the last
-        round, nor for a round where ``overlap_evaluation(round)`` is False: ``after_round`` of a
-        checkpoint reads the clients' kept state, which the next round's clients rewrite. Rows
-        are recorded in round order, each round's evaluation is of its own state, and a round's
-        ``seconds`` run from its messages' push to the next round's (to its end where nothing
-        overlaps it); round 0's are its evaluation's."""
+        clients train (between that round's push and its first pull), so the evaluation leaves
+        the round's critical path where the clients train on other machines or devices: round
+        0's while round 1 trains, round r's while round r + 1 does. Not so for the final round,
+        a round that ends the run (``max_empty_rounds``), nor a round where
+        ``overlap_evaluation(round)`` is False: ``after_round`` of a checkpoint reads the
+        clients' kept state, which the next round's clients rewrite. Rows are recorded in round
+        order, each round's evaluation is of its own state, and a failure (an interrupt
+        included) still records the round before it. A round's ``seconds`` run from its start
+        (its sampling) to the next round's, or to the end of its own evaluation where that does
+        not overlap the next; round 0's are its evaluation's."""
         self.summary()
         if initial_state is not None:
             self.state = {name: t.to(self.device) for name, t in initial_state.items()}
@@ -490,14 +492,16 @@ class AlgorithmStrategy(Strategy):
             if after_round is not None and row["round"]:
                 after_round(row["round"])
 
-        unfinished: list[tuple[dict, float]] = []  # the round whose evaluation the next round's clients hide
+        # the round whose evaluation and row wait for the next round's push: (row, its start)
+        unfinished: tuple[dict, float] | None = ({"round": 0}, time.perf_counter()) if first_round == 1 else None
 
         def finish_unfinished(ended: float) -> None:
-            if unfinished:
-                finish(*unfinished.pop(), ended)
+            nonlocal unfinished
+            if unfinished is not None:
+                row, round_started = unfinished
+                unfinished = None
+                finish(row, round_started, ended)
 
-        if first_round == 1:  # round 0: the initial model's evaluation, while round 1's clients train
-            unfinished.append(({"round": 0}, time.perf_counter()))
         arrays = packed_record(self.state)
         try:
             for server_round in range(first_round, num_rounds + 1):
@@ -519,17 +523,19 @@ class AlgorithmStrategy(Strategy):
                     self.exchange(grid, self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout))
                 row.update(dict(client_eval or {}))
                 self.empty_rounds = 0 if new_arrays is not None else self.empty_rounds + 1
-                if server_round < num_rounds and overlap_evaluation(server_round):
-                    unfinished.append((row, started))
+                stopping = self.empty_rounds >= self.max_empty_rounds
+                assert unfinished is None, "the exchange runs the last round's evaluation (while_waiting)"
+                if server_round < num_rounds and not stopping and overlap_evaluation(server_round):
+                    unfinished = (row, started)
                 else:
                     finish(row, started, None)
-                if self.empty_rounds >= self.max_empty_rounds:
+                if stopping:
                     raise RuntimeError(
                         f"No usable client reply in {self.empty_rounds} consecutive rounds (up to round "
                         f"{server_round}); stopping (max_empty_rounds={self.max_empty_rounds}). The "
                         f"reasons are logged above as 'node ... failed' / 'rejected reply'.")
-        except Exception:
-            finish_unfinished(time.perf_counter())  # a failing round does not lose the one before it
+        except BaseException:  # Flower's end of a run and Ctrl-C too: the finished round is recorded
+            finish_unfinished(time.perf_counter())
             raise
         if self.empty_rounds >= num_rounds:
             # fewer rounds than max_empty_rounds and none of them usable (a resumed run counts the

@@ -40,8 +40,8 @@ diagnostics are off in the Flower run (``diagnostics.trust_every=0``), so both s
 same; ``bench_diagnostics.py`` measures them. The plain loop trains as the clients do with the
 run's ``precision``, ``channels_last`` and ``compile_model``. It also prints the median
 ``server_seconds`` (metrics.jsonl): the ServerApp's work after a round's last reply, which no
-client overlaps (the other replies were decoded as they came), and the median ``eval_seconds``:
-its evaluation of a round's model, which runs while the next round's clients train.
+client overlaps (the other replies were decoded as they came), and how long the ServerApp's
+evaluation of the initial model took, which runs while round 1's clients train.
 """
 
 from __future__ import annotations
@@ -296,9 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     if all("server_seconds" in row for row in flower):
         print(f"the ServerApp's work after a round's last reply (server_seconds: that reply's decode, the "
               f"checks, the rule, the next state's record): {median(flower, 'server_seconds'):.3f} s")
-    if all("eval_seconds" in row for row in flower):
-        print(f"the ServerApp's evaluation of a round's model (eval_seconds, while the next round's clients "
-              f"train): {median(flower, 'eval_seconds'):.3f} s")
     if device.type == "cuda":
         ends = times["round_ends"]
         first, last = flower[0]["round"], flower[-1]["round"]

@@ -63,7 +63,7 @@ def test_replies_that_come_while_the_hand_over_outlasts_the_timeout_are_collecte
 
 
 def test_work_while_waiting_runs_once_between_the_push_and_the_first_pull_within_the_timeout():
-    """``while_waiting`` (the last round's evaluation) runs after the push, before any pull, and its
+    """``while_waiting`` (the previous round's evaluation) runs after the push, before any pull, and its
     time counts toward the round's timeout: here it takes all of it, so one pull follows, which
     still brings the reply that came meanwhile."""
     grid = TimedGrid([0.0, None])

@@ -403,13 +403,13 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
 
 
 def logged_run(monkeypatch, num_rounds=3, overlap_evaluation=lambda server_round: True, fail_round=None,
-               evaluation_seconds=0.0, log=None):
+               failure=RuntimeError, evaluation_seconds=0.0, log=None):
     """``strategy.run`` over ``num_rounds`` rounds of two good replies (scaled by the round, so
     that every round's state differs), with the Grid exchange standing in as the clients would
     answer: the replies come after ``while_waiting``. Fills and returns ``log`` (a fresh
     namespace if None): the events in order ("push r", "pull r", "eval r", "row r", "after r"),
     the states each evaluation got, the rows and the times of the pushes. Round
-    ``fail_round``'s sampling fails."""
+    ``fail_round``'s sampling raises ``failure``."""
     import fedact_app.strategy as strategy_module
 
     strategy = fedact_strategy()
@@ -430,7 +430,7 @@ def logged_run(monkeypatch, num_rounds=3, overlap_evaluation=lambda server_round
 
     def configure_train(server_round, *args):
         if server_round == fail_round:
-            raise RuntimeError(f"no node for round {server_round}")
+            raise failure(f"no node for round {server_round}")
         current[0] = server_round
         strategy.messages_sent = 2
         return ["to node 1", "to node 2"]
@@ -488,27 +488,59 @@ def test_overlapped_evaluations_see_each_round_s_own_state_and_give_the_same_row
     assert [row["accuracy"] for row in overlapped.rows] == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_a_failing_round_still_records_the_round_before_it(monkeypatch):
+@pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
+def test_a_failing_round_still_records_the_round_before_it(monkeypatch, failure):
     """Round 3's sampling fails while round 2's evaluation waits for round 3's push: round 2's
-    evaluation, row and after_round still run, before the error reaches the caller."""
+    evaluation, row and after_round still run, before the error reaches the caller. Also for an
+    exception that is not an ``Exception`` (Ctrl-C; Flower ends a stopped run with one)."""
     log = SimpleNamespace()
-    with pytest.raises(RuntimeError, match="no node for round 3"):
-        logged_run(monkeypatch, fail_round=3, log=log)
+    with pytest.raises(failure, match="no node for round 3"):
+        logged_run(monkeypatch, fail_round=3, failure=failure, log=log)
     assert log.events[-4:] == ["pull 2", "eval 2", "row 2", "after 2"]
     assert [row["round"] for row in log.rows] == [0, 1, 2]
 
 
-def test_the_rounds_seconds_run_from_push_to_push_and_round_0_s_are_its_evaluation_s(monkeypatch):
+def test_the_round_that_stops_a_run_without_replies_is_evaluated_before_the_error(monkeypatch):
+    """A round that reaches ``max_empty_rounds`` ends the run: its evaluation, row and
+    after_round run at once, its ``seconds`` holding that evaluation, and then the error."""
+    import fedact_app.strategy as strategy_module
+
+    strategy = fedact_strategy()
+    strategy.max_empty_rounds = 2
+    events, rows = [], []
+
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+        if while_waiting is not None:
+            while_waiting()
+        return []
+
+    def evaluate(server_round, state):
+        events.append(f"eval {server_round}")
+        time.sleep(0.05 if server_round == 2 else 0.0)  # only the last round's evaluation takes time
+        return {"accuracy": 0.0}
+
+    monkeypatch.setattr(strategy_module, "exchange", exchange)
+    monkeypatch.setattr(strategy, "configure_train", lambda *args: [])
+    with pytest.raises(RuntimeError, match="No usable client reply in 2 consecutive rounds"):
+        strategy.run(None, num_rounds=5, timeout=1.0, evaluate_fn=evaluate,
+                     on_round_end=lambda row: (events.append(f"row {row['round']}"), rows.append(row)),
+                     initial_state=dict(STATE), after_round=lambda r: events.append(f"after {r}"))
+    assert events == ["eval 0", "row 0", "eval 1", "row 1", "after 1", "eval 2", "row 2", "after 2"]
+    assert rows[-1]["seconds"] >= rows[-1]["eval_seconds"] >= 0.05
+
+
+def test_the_rounds_seconds_run_from_start_to_start_and_round_0_s_are_its_evaluation_s(monkeypatch):
     """A round's ``seconds`` run from its start to the next round's (its own evaluation runs in
-    the next), so that they add up to the run's time from round 1 on; round 0's and
-    ``eval_seconds`` are the evaluation's own time."""
+    the next; the stand-in's sampling takes no time, so from push to push), so that they add up
+    to the run's time from round 1 on; round 0's and ``eval_seconds`` are the evaluation's own
+    time."""
     started = time.perf_counter()
     log = logged_run(monkeypatch, evaluation_seconds=0.05)
     ended = time.perf_counter()
     rows = log.rows
     for row, push, next_push in zip(rows[1:], log.pushes, log.pushes[1:]):
-        assert abs(row["seconds"] - (next_push - push)) < 0.02, row
-    assert abs(sum(row["seconds"] for row in rows[1:]) - (ended - log.pushes[0])) < 0.05
+        assert abs(row["seconds"] - (next_push - push)) < 0.1, row
+    assert abs(sum(row["seconds"] for row in rows[1:]) - (ended - log.pushes[0])) < 0.1
     assert ended - started >= 4 * 0.05 and all(row["eval_seconds"] >= 0.05 for row in rows[1:])
     assert 0.05 <= rows[0]["seconds"] < rows[1]["seconds"]  # round 1 holds round 0's evaluation
 
