@@ -299,8 +299,19 @@ class AlgorithmStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
                         arrivals: Arrivals | None = None) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's ``Strategy.aggregate_train``: the round's new global state from its
-        ``replies``; ``arrivals``: those of them decoded as they came (:meth:`round_arrivals`;
-        None: none was), the others are decoded here."""
+        ``replies`` and its metrics, diagnostics included (:meth:`aggregate_round`)."""
+        arrays, metrics, diagnostics = self.aggregate_round(server_round, replies, arrivals)
+        return arrays, MetricRecord({**metrics, **diagnostics()})
+
+    def aggregate_round(self, server_round: int, replies: Iterable[Message], arrivals: Arrivals | None = None,
+                        ) -> tuple[ArrayRecord | None, dict, Callable[[], dict]]:
+        """The round's new global state from its ``replies`` (None: unchanged), its metrics, and
+        its diagnostics as a call (DC and ||Delta_G||: ``direction_consistency``,
+        ``delta_g_norm``), which :meth:`run` makes while the next round's clients train. That
+        call reads the round's decoded updates and the rule's Delta_G: make it before the next
+        round's replies are decoded into the same vectors (:meth:`round_arrivals` hands them out
+        again) and before the next aggregation. ``arrivals``: the replies decoded as they came
+        (:meth:`round_arrivals`; None: none was), the others are decoded here."""
         if arrivals is None:
             arrivals = self.round_arrivals(server_round)
         round_replies = accept_round(server_round, replies, self.acceptance, identity=self.client_key_of,
@@ -322,14 +333,14 @@ class AlgorithmStrategy(Strategy):
             else:
                 log(WARNING, "round %d: no usable reply; the global model is unchanged", server_round)
             metrics.update(clients=0, rejected=rejected + len(accepted))
-            return None, MetricRecord(metrics)
+            return None, metrics, dict
         warn_shared_partitions(server_round, [(int(item.metrics.get("partition-id", -1)), item.node)
                                               for item in accepted])
         updates = [item.update for item in accepted]
         client_metrics = [item.metrics for item in accepted]
         if not self.aggregate_finite(server_round, updates):
             metrics.update(clients=0, rejected=rejected + len(accepted))
-            return None, MetricRecord(metrics)
+            return None, metrics, dict
         total = sum(u.num_examples for u in updates)
         metrics["train_loss"] = sum(float(m["train-loss"]) * u.num_examples
                                     for m, u in zip(client_metrics, updates)) / total
@@ -338,12 +349,16 @@ class AlgorithmStrategy(Strategy):
             metrics["client_train_seconds_max"] = max(seconds)  # the slowest client (stragglers)
         if round_replies.update_ratio is not None:  # how close honest updates come to max_update_ratio
             metrics["update_norm_ratio"] = round_replies.update_ratio
-        metrics["direction_consistency"] = vectors_direction_consistency(
-            [as_vector(u.delta, self.trainable) for u in updates])
-        if "delta_g" in (broadcast := self.rule.broadcast()):
-            metrics["delta_g_norm"] = vector_norms([as_vector(broadcast["delta_g"], self.trainable)])[0]
         metrics.update(mean_client_statistics(client_metrics))
-        return packed_record(self.state), MetricRecord(metrics)
+
+        def diagnostics() -> dict:
+            found = {"direction_consistency": vectors_direction_consistency(
+                [as_vector(u.delta, self.trainable) for u in updates])}
+            if "delta_g" in (broadcast := self.rule.broadcast()):
+                found["delta_g_norm"] = vector_norms([as_vector(broadcast["delta_g"], self.trainable)])[0]
+            return found
+
+        return packed_record(self.state), metrics, diagnostics
 
     def aggregate_finite(self, server_round: int, updates: Sequence[ClientUpdate]) -> bool:
         """Aggregate ``updates`` into ``self.state`` and the rule's state, unless the rule refuses
@@ -463,9 +478,10 @@ class AlgorithmStrategy(Strategy):
         round loop for ArrayRecords) is not used: this loop adds the method's broadcast arrays,
         the reply checks and the empty-round accounting. The returned state is on the CPU.
 
-        A round's central evaluation, its row and ``after_round`` run while the next round's
-        clients train (between that round's push and its first pull), so the evaluation leaves
-        the round's critical path where the clients train on other machines or devices: round
+        A round's diagnostics (:meth:`aggregate_round`), central evaluation, row and
+        ``after_round`` run while the next round's clients train (between that round's push and
+        its first pull, before any of its replies is decoded), so they leave the round's
+        critical path where the clients train on other machines or devices: round
         0's while round 1 trains, round r's while round r + 1 does. Not so for the final round,
         a round that ends the run (``max_empty_rounds``), nor a round where
         ``overlap_evaluation(round)`` is False: ``after_round`` of a checkpoint reads the
@@ -478,9 +494,10 @@ class AlgorithmStrategy(Strategy):
         if initial_state is not None:
             self.state = {name: t.to(self.device) for name, t in initial_state.items()}
 
-        def finish(row: dict, started: float, ended: float | None) -> None:
-            """Round ``row["round"]``'s evaluation, row and ``after_round``; the round ended at
-            ``ended`` (the next round's start) or, None, when this evaluation does."""
+        def finish(row: dict, started: float, diagnostics: Callable[[], dict], ended: float | None) -> None:
+            """Round ``row["round"]``'s diagnostics, evaluation, row and ``after_round``; the
+            round ended at ``ended`` (the next round's start) or, None, when this evaluation does."""
+            row.update(diagnostics())
             evaluating = time.perf_counter()
             evaluation = evaluate_fn(row["round"], self.state) or {}
             now = time.perf_counter()
@@ -492,15 +509,16 @@ class AlgorithmStrategy(Strategy):
             if after_round is not None and row["round"]:
                 after_round(row["round"])
 
-        # the round whose evaluation and row wait for the next round's push: (row, its start)
-        unfinished: tuple[dict, float] | None = ({"round": 0}, time.perf_counter()) if first_round == 1 else None
+        # the round whose diagnostics, evaluation and row wait for the next round's push: (row, its
+        # start, its diagnostics)
+        unfinished = ({"round": 0}, time.perf_counter(), dict) if first_round == 1 else None
 
         def finish_unfinished(ended: float) -> None:
             nonlocal unfinished
             if unfinished is not None:
-                row, round_started = unfinished
+                row, round_started, diagnostics = unfinished
                 unfinished = None
-                finish(row, round_started, ended)
+                finish(row, round_started, diagnostics, ended)
 
         arrays = packed_record(self.state)
         try:
@@ -511,11 +529,10 @@ class AlgorithmStrategy(Strategy):
                 arrivals = self.round_arrivals(server_round)
                 replies = self.exchange(grid, messages, timeout, on_pull=arrivals.feed,
                                         while_waiting=lambda: finish_unfinished(started))
-                new_arrays, train_metrics = self.aggregate_train(server_round, replies, arrivals)
+                new_arrays, train_metrics, diagnostics = self.aggregate_round(server_round, replies, arrivals)
                 del replies  # the replies' bytes, not needed through the evaluation below
                 arrays = new_arrays or arrays
-                row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients,
-                       **dict(train_metrics or {})}
+                row = {"round": server_round, "lr": lr, "sampled_clients": self.sampled_clients, **train_metrics}
                 if arrivals.last_pull is not None:  # from the pull that ended the wait: no client overlaps this
                     row["server_seconds"] = time.perf_counter() - arrivals.last_pull
                 client_eval = self.aggregate_evaluate(
@@ -526,9 +543,9 @@ class AlgorithmStrategy(Strategy):
                 stopping = self.empty_rounds >= self.max_empty_rounds
                 assert unfinished is None, "the exchange runs the last round's evaluation (while_waiting)"
                 if server_round < num_rounds and not stopping and overlap_evaluation(server_round):
-                    unfinished = (row, started)
+                    unfinished = (row, started, diagnostics)
                 else:
-                    finish(row, started, None)
+                    finish(row, started, diagnostics, None)
                 if stopping:
                     raise RuntimeError(
                         f"No usable client reply in {self.empty_rounds} consecutive rounds (up to round "

@@ -23,8 +23,10 @@ Flower ``RecordDict`` objects. Each repeat times, in turn:
   objects: the pieces above, the check that the aggregate is finite, and the new global state
   made into the ``ArrayRecord`` the next round sends;
 - after the last reply: the same with every reply but the last decoded beforehand (untimed), as
-  the strategy decodes replies while they arrive (``AlgorithmStrategy.round_arrivals``): what a
-  round waits for after its last reply (a run's ``server_seconds``, without the pull);
+  the strategy decodes replies while they arrive (``AlgorithmStrategy.round_arrivals``), and
+  without the diagnostics, which a run makes while the next round's clients train
+  (``AlgorithmStrategy.aggregate_round``): what a round waits for after its last reply (a run's
+  ``server_seconds``, without the pull);
 - floor: one pass reading the S x d floats of the deltas, ``torch.stack(deltas).sum(0)``
   (what any rule that looks at every reply's every coordinate once costs at least).
 
@@ -131,9 +133,11 @@ class Round:
         dc = vectors_direction_consistency([as_vector(u.delta, self.trainable) for u in self.updates])
         return dc, vector_norms([as_vector(self.rule.broadcast()["delta_g"], self.trainable)])[0]
 
-    def whole(self, arrivals=None):
+    def whole(self, arrivals=None, diagnostics=True):
         self.strategy.messages_sent = len(self.messages)
-        _, metrics = self.strategy.aggregate_train(1, self.messages, arrivals)
+        _, metrics, diagnose = self.strategy.aggregate_round(1, self.messages, arrivals)
+        if diagnostics:
+            diagnose()
         if metrics["clients"] != len(self.messages):
             raise RuntimeError(f"the round accepted {metrics['clients']} of {len(self.messages)} replies")
 
@@ -142,7 +146,7 @@ class Round:
         self.arrivals.feed(self.messages[:-1])
 
     def after_last_reply(self):
-        self.whole(self.arrivals)
+        self.whole(self.arrivals, diagnostics=False)  # a run makes them while the next round's clients train
 
 
 def main(argv: list[str]) -> None:

@@ -2,6 +2,7 @@
 bad value), configs the data cannot feed, and bad client replies built as real Flower messages."""
 
 import logging
+import math
 import time
 from types import SimpleNamespace
 from dataclasses import fields, is_dataclass
@@ -402,10 +403,20 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
     assert rows[1]["missing"] == 1 and rows[1]["seconds"] >= 0.5 and rows[1]["server_seconds"] < 0.4
 
 
+def turning_content(server_round):
+    """A good reply whose delta's direction turns with the round (good_content's does not)."""
+    content = good_content()
+    content["delta"] = packed_record({"w": torch.tensor([[0.25, 0.1 * server_round, 0.0],
+                                                         [0.0, 0.25, -0.05 * server_round]]),
+                                      "b": torch.tensor([0.5, -0.5]), "bn.n": torch.tensor(1)})
+    return content
+
+
 def logged_run(monkeypatch, num_rounds=3, overlap_evaluation=lambda server_round: True, fail_round=None,
                failure=RuntimeError, evaluation_seconds=0.0, log=None):
-    """``strategy.run`` over ``num_rounds`` rounds of two good replies (scaled by the round, so
-    that every round's state differs), with the Grid exchange standing in as the clients would
+    """``strategy.run`` over ``num_rounds`` rounds of two good replies (one scaled by the round,
+    one turning with it, so that every round's state and direction consistency differ), with
+    the Grid exchange standing in as the clients would
     answer: the replies come after ``while_waiting``. Fills and returns ``log`` (a fresh
     namespace if None): the events in order ("push r", "pull r", "eval r", "row r", "after r"),
     the states each evaluation got, the rows and the times of the pushes. Round
@@ -424,7 +435,7 @@ def logged_run(monkeypatch, num_rounds=3, overlap_evaluation=lambda server_round
         log.pushes.append(time.perf_counter())
         while_waiting()
         log.events.append(f"pull {current[0]}")
-        replies = [reply(1, good_content(scale=float(current[0]))), reply(2, good_content(scale=2.0))]
+        replies = [reply(1, good_content(scale=float(current[0]))), reply(2, turning_content(current[0]))]
         on_pull(replies)
         return replies
 
@@ -486,6 +497,26 @@ def test_overlapped_evaluations_see_each_round_s_own_state_and_give_the_same_row
     assert ([{k: v for k, v in row.items() if k not in timed} for row in overlapped.rows]
             == [{k: v for k, v in row.items() if k not in timed} for row in alone.rows])
     assert [row["accuracy"] for row in overlapped.rows] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_each_round_s_diagnostics_are_of_its_own_replies_though_the_next_round_reuses_their_vectors(monkeypatch):
+    """DC is made while the next round's clients train, from vectors that the next round's
+    replies are decoded into: each row's DC is still that of its own round's two replies (a
+    plain loop over the formula: the mean of cos(Delta_i, mean Delta))."""
+    rows = logged_run(monkeypatch).rows[1:]
+
+    def flat(content):
+        arrays = unpacked(content["delta"])
+        return [float(v) for name in TRAINABLE for v in arrays[name].flatten()]
+
+    for row in rows:
+        deltas = [flat(good_content(scale=float(row["round"]))), flat(turning_content(row["round"]))]
+        mean = [(a + b) / 2 for a, b in zip(*deltas)]
+        cosines = [sum(a * m for a, m in zip(delta, mean))
+                   / math.sqrt(sum(a * a for a in delta) * sum(m * m for m in mean)) for delta in deltas]
+        assert row["direction_consistency"] == pytest.approx(sum(cosines) / 2, rel=1e-12, abs=0), row["round"]
+    assert len({row["direction_consistency"] for row in rows}) == len(rows)  # every round's differs
+    assert all(row["delta_g_norm"] > 0 for row in rows)
 
 
 @pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
