@@ -307,11 +307,13 @@ class AlgorithmStrategy(Strategy):
                         ) -> tuple[ArrayRecord | None, dict, Callable[[], dict]]:
         """The round's new global state from its ``replies`` (None: unchanged), its metrics, and
         its diagnostics as a call (DC and ||Delta_G||: ``direction_consistency``,
-        ``delta_g_norm``), which :meth:`run` makes while the next round's clients train. That
-        call reads the round's decoded updates and the rule's Delta_G: make it before the next
-        round's replies are decoded into the same vectors (:meth:`round_arrivals` hands them out
-        again) and before the next aggregation. ``arrivals``: the replies decoded as they came
-        (:meth:`round_arrivals`; None: none was), the others are decoded here."""
+        ``delta_g_norm``), which :meth:`run` makes while the next round's clients train. On the
+        CPU that call reads the round's decoded updates and the rule's Delta_G: make it before
+        the next round's replies are decoded into the same vectors (:meth:`round_arrivals`
+        hands them out again) and before the next aggregation. On another device the updates
+        are memory of their own there, not kept past the round: the diagnostics are made at
+        once (a few ms on a GPU) and the call returns them. ``arrivals``: the replies decoded
+        as they came (:meth:`round_arrivals`; None: none was), the others are decoded here."""
         if arrivals is None:
             arrivals = self.round_arrivals(server_round)
         round_replies = accept_round(server_round, replies, self.acceptance, identity=self.client_key_of,
@@ -358,6 +360,9 @@ class AlgorithmStrategy(Strategy):
                 found["delta_g_norm"] = vector_norms([as_vector(broadcast["delta_g"], self.trainable)])[0]
             return found
 
+        if self.device.type != "cpu":
+            found = diagnostics()
+            return packed_record(self.state), metrics, lambda: found
         return packed_record(self.state), metrics, diagnostics
 
     def aggregate_finite(self, server_round: int, updates: Sequence[ClientUpdate]) -> bool:

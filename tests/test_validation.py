@@ -515,8 +515,33 @@ def test_each_round_s_diagnostics_are_of_its_own_replies_though_the_next_round_r
         cosines = [sum(a * m for a, m in zip(delta, mean))
                    / math.sqrt(sum(a * a for a in delta) * sum(m * m for m in mean)) for delta in deltas]
         assert row["direction_consistency"] == pytest.approx(sum(cosines) / 2, rel=1e-12, abs=0), row["round"]
+        # FedACT's Delta_G = -mean_i Delta_i / lr_sum (equal examples and lr sums)
+        assert row["delta_g_norm"] == pytest.approx(math.sqrt(sum(m * m for m in mean)) / LR_SUM, rel=1e-6)
     assert len({row["direction_consistency"] for row in rows}) == len(rows)  # every round's differs
-    assert all(row["delta_g_norm"] > 0 for row in rows)
+
+
+def test_a_server_on_a_device_makes_the_diagnostics_at_once_and_keeps_no_update_for_them(monkeypatch):
+    """On a GPU server (``server_device``) the decoded replies are device memory of their own:
+    the diagnostics are made within the round, and the call handed to the run holds their
+    values only, not the round's updates, so those go as the round ends."""
+    import fedact_app.strategy as strategy_module
+
+    replies = [reply(1, good_content()), reply(2, turning_content(1))]
+    made = []
+    consistency = strategy_module.vectors_direction_consistency
+    monkeypatch.setattr(strategy_module, "vectors_direction_consistency",
+                        lambda vectors: made.append(len(vectors)) or consistency(vectors))
+    on_cpu = fedact_strategy()
+    on_cpu.messages_sent = 2
+    _, _, later = on_cpu.aggregate_round(1, replies)
+    assert made == []  # on the CPU: left to the call
+    on_device = fedact_strategy()
+    on_device.messages_sent = 2
+    on_device.device = torch.device("cuda")  # all that aggregate_round reads of it; the tensors stay on the CPU
+    _, _, at_once = on_device.aggregate_round(1, replies)
+    assert made == [2]
+    assert all(isinstance(cell.cell_contents, dict) for cell in at_once.__closure__)
+    assert at_once() == later() and set(later()) == {"direction_consistency", "delta_g_norm"}
 
 
 @pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
