@@ -546,7 +546,7 @@ class AlgorithmStrategy(Strategy):
                 row.update(dict(client_eval or {}))
                 self.empty_rounds = 0 if new_arrays is not None else self.empty_rounds + 1
                 stopping = self.empty_rounds >= self.max_empty_rounds
-                assert unfinished is None, "the exchange runs the last round's evaluation (while_waiting)"
+                assert unfinished is None, "the exchange finishes the previous round (while_waiting)"
                 if server_round < num_rounds and not stopping and overlap_evaluation(server_round):
                     unfinished = (row, started, diagnostics)
                 else:
