@@ -24,9 +24,9 @@ Flower ``RecordDict`` objects. Each repeat times, in turn:
   made into the ``ArrayRecord`` the next round sends;
 - after the last reply: the same with every reply but the last decoded beforehand (untimed), as
   the strategy decodes replies while they arrive (``AlgorithmStrategy.round_arrivals``), and
-  without the diagnostics, which a run makes while the next round's clients train
-  (``AlgorithmStrategy.aggregate_round``): what a round waits for after its last reply (a run's
-  ``server_seconds``, without the pull);
+  without the diagnostics where a run makes them while the next round's clients train (a CPU
+  server; on a GPU server ``AlgorithmStrategy.aggregate_round`` makes them at once): what a
+  round waits for after its last reply (a run's ``server_seconds``, without the pull);
 - floor: one pass reading the S x d floats of the deltas, ``torch.stack(deltas).sum(0)``
   (what any rule that looks at every reply's every coordinate once costs at least).
 
@@ -146,7 +146,7 @@ class Round:
         self.arrivals.feed(self.messages[:-1])
 
     def after_last_reply(self):
-        self.whole(self.arrivals, diagnostics=False)  # a run makes them while the next round's clients train
+        self.whole(self.arrivals, diagnostics=False)  # as a run: beside the next round (CPU server) or already made
 
 
 def main(argv: list[str]) -> None:
