@@ -17,7 +17,8 @@ side by side, ``step()`` of
   the comparison that decides that default;
 - ``FedACT launched`` (CUDA only) — the defaults with ``cuda_graph=False``: the selection's
   kernels launched one by one instead of replayed as one CUDA graph;
-- with ``--compile``, ``FedACT compiled`` — the defaults with ``compile=True``.
+- with ``--compile``, ``FedACT compiled`` and ``FedACT tensor compiled`` — the defaults and the
+  tensor scope with ``compile=True`` (on CUDA the selection then counts, topk._CountSelect).
 
 Every optimizer owns a copy of the parameters with fixed random gradients; the FedACT ones start
 a round with a random v_bar and Delta_G (as from round 2 on). Timing interleaves the optimizers
@@ -39,9 +40,11 @@ a line gives its median, min and max against FedACT global's from the same inter
         --train-repeats 30 --compile-model default
 
 With ``--profile N``, last, where a FedACT step spends its time, for the global and the tensor
-scope: ``torch.profiler`` over N steps after warm-up, the operations with the most self time on
-the device (CUDA) or the CPU, per step, with the selection's kernels launched one by one
-(``cuda_graph=False``: to the profiler a graph's replay is one launch).
+scope (and with ``--compile`` their compiled steps): ``torch.profiler`` over N steps after
+warm-up, the operations with the most self time on the device (CUDA) or the CPU, per step, with
+the selection's kernels launched one by one (``cuda_graph=False``: to the profiler a graph's
+replay is one launch). ``--device-selection`` selects on CPU as on CUDA (numpy hidden), a CPU
+stand-in for comparing the device engines.
 
     python scripts/bench_optimizer.py --models resnet18 --device cuda --optimizer-repeats 1 \
         --no-train-step --profile 20
@@ -67,10 +70,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from fedact_app.config import compose  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
-from fedact_app.optim import FedACTAdamW  # noqa: E402
+from fedact_app.optim import FedACTAdamW, topk  # noqa: E402
 
 REFERENCE = "AdamW foreach"
 PROFILED = {"FedACT global": {}, "FedACT tensor": {"trust_scope": "tensor"}}  # --profile's scopes
+PROFILED_COMPILED = {"FedACT compiled": {"compile": True},  # and with --compile
+                     "FedACT tensor compiled": {"trust_scope": "tensor", "compile": True}}
 PROFILE_TOP = 25  # operations listed per profile
 
 
@@ -90,6 +95,7 @@ def optimizers(device: torch.device, compiled: bool = False
         makers["FedACT launched"] = lambda ps: FedACTAdamW(ps, lr=3e-4, cuda_graph=False)
     if compiled:
         makers["FedACT compiled"] = lambda ps: FedACTAdamW(ps, lr=3e-4, compile=True)
+        makers["FedACT tensor compiled"] = lambda ps: FedACTAdamW(ps, lr=3e-4, trust_scope="tensor", compile=True)
     return makers
 
 
@@ -249,16 +255,16 @@ def own_time_events(events, cuda: bool) -> list:
     return sorted(events, key=lambda e: getattr(e, key), reverse=True)
 
 
-def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int) -> None:
-    """Print, for each scope of :data:`PROFILED` (``cuda_graph=False``), the operations with the
-    most self time over ``steps`` profiled steps (after 3 warm-up steps), per step
-    (:func:`own_time_events`)."""
+def profile_steps(params0: list[torch.Tensor], device: torch.device, steps: int, compiled: bool) -> None:
+    """Print, for each scope of :data:`PROFILED` (and :data:`PROFILED_COMPILED` when
+    ``compiled``; all with ``cuda_graph=False``), the operations with the most self time over
+    ``steps`` profiled steps (after 3 warm-up steps), per step (:func:`own_time_events`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     key = "self_device_time_total" if cuda else "self_cpu_time_total"  # microseconds
     grads = fixed_grads(params0, device)
-    for name, options in PROFILED.items():
+    for name, options in {**PROFILED, **(PROFILED_COMPILED if compiled else {})}.items():
         params = with_grads(params0, grads, device)
         opt = FedACTAdamW(params, lr=3e-4, cuda_graph=False, **options)
         start_round(opt, params, seed=0)
@@ -303,10 +309,10 @@ def print_table(model: str, dataset: str, params: list[torch.Tensor], device: to
     print(f"\n{model} / {dataset}: {d:,} parameters in {len(params)} tensors; {name}{threads}")
     cuda = device.type == "cuda"
     fused = next((r["median_ms"] for r in rows if r["name"] == "AdamW fused"), None)  # CUDA only
-    header = f"{'optimizer':<15} {'median ms':>10} {'min ms':>9} {'x ' + REFERENCE:>16} {'memory MiB':>11}"
+    header = f"{'optimizer':<22} {'median ms':>10} {'min ms':>9} {'x ' + REFERENCE:>16} {'memory MiB':>11}"
     print(header + (f" {'step peak MiB':>14}" if cuda else "") + (f" {'x AdamW fused':>14}" if fused else ""))
     for r in rows:
-        line = (f"{r['name']:<15} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['ratio']:>16.2f} "
+        line = (f"{r['name']:<22} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['ratio']:>16.2f} "
                 f"{r['held_mib']:>11.1f}")
         print(line + (f" {r['transient_mib']:>14.1f}" if cuda else "")
               + (f" {r['median_ms'] / fused:>14.2f}" if fused else ""))
@@ -346,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed optimizer steps (default: --repeats); the train step takes --train-repeats")
     parser.add_argument("--profile", type=positive, default=None, metavar="N",
                         help="also profile N FedACT steps per scope (module docstring)")
+    parser.add_argument("--device-selection", action="store_true",
+                        help="on CPU too, select with the engines CUDA uses (numpy's hidden): the radix "
+                             "select, and with --compile the compiled counting selection")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: cnn_small on digits, 3 repeats, 1 warm-up, batch 8")
     args = parser.parse_args(argv)
@@ -353,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.dataset = ["cnn_small"], "digits"
         args.repeats, args.warmup, args.batch, args.train_repeats = 3, 1, 8, 2
     torch.set_num_threads(args.threads)
+    if args.device_selection:
+        topk.np = None  # what the engines check for the host selection (topk._select_on_host)
     devices = [torch.device("cpu")] if args.device in ("all", "cpu") else []
     if args.device == "cuda" or (args.device == "all" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             if times and args.compile_model:
                 print_compiled_model(times, compile_seconds, args.compile_model)
             if args.profile:
-                profile_steps(params, device, args.profile)
+                profile_steps(params, device, args.profile, args.compile)
     return 0
 
 

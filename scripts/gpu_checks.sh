@@ -14,6 +14,8 @@
 #
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
 #   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA, with a kernel profile per scope
+#   optim-compiled  the same for compile=True (the compiled passes and the counting selection), beside the
+#                   defaults in one benchmark run: at most 8 minutes (each layout compiles at its first step)
 #   server          the server round's tests (their cuda case), then bench_server.py on CUDA
 #   round           bench_round.py --paper: the seed's round, GPU busy share, 300-round projection
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
@@ -60,9 +62,14 @@ for name in "${@:-optim server}"; do
         case $one in
         optim)
             step optim-tests 120 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
-                tests/test_optim_topk.py tests/test_compile_model.py -k cuda
+                tests/test_optim_topk.py tests/test_compile_model.py -k "cuda and not compiled and not counting"
             step bench-optimizer 150 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 \
                 --profile 20 ;;
+        optim-compiled)  # compile=True: the compiled passes and the counting selection (topk._CountSelect)
+            step optim-compiled-tests 200 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
+                tests/test_optim_topk.py -k "cuda and (compiled or counting)"
+            step bench-optimizer-compiled 240 python3 scripts/bench_optimizer.py --device cuda --compile \
+                --repeats 50 --train-repeats 20 --profile 20 ;;
         server)
             step server-tests 60 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_server_round.py
             step bench-server 90 python3 scripts/bench_server.py --device cuda --repeats 20 ;;
@@ -90,7 +97,7 @@ for name in "${@:-optim server}"; do
         deploy)
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
                 --modes floor,floor-distinct,warm ;;
-        *) echo "unknown step $one: allowed optim server round round-compiled round-bf16 round-mps" \
+        *) echo "unknown step $one: allowed optim optim-compiled server round round-compiled round-bf16 round-mps" \
                 "round-2-actors units deploy" >&2; exit 2 ;;
         esac
     done

@@ -19,6 +19,15 @@ def run_script(name: str, *args: str, timeout: float) -> str:
     return proc.stdout
 
 
+def test_bench_optimizer_compares_the_compiled_step_with_the_device_selection():
+    """--compile --device-selection: the compiled rows beside the others, with the selections CUDA
+    runs (numpy hidden), on CPU."""
+    out = run_script("bench_optimizer.py", "--quick", "--device", "cpu", "--compile", "--device-selection",
+                     "--no-train-step", timeout=300)
+    for name in ("FedACT global", "FedACT tensor", "FedACT compiled", "FedACT tensor compiled"):
+        assert re.search(rf"^{name} +\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", out, re.M), (name, out)
+
+
 def test_bench_optimizer_quick_prints_its_table():
     out = run_script("bench_optimizer.py", "--quick", "--device", "cpu", "--profile", "2", timeout=180)
     assert "cnn_small / digits: 19,466 parameters in 6 tensors; cpu" in out
@@ -233,5 +242,5 @@ def test_gpu_checks_names_files_that_exist_and_refuses_an_unknown_step(tmp_path)
     proc = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OUT": str(tmp_path)})
     assert proc.returncode == 2
-    assert ("unknown step bogus: allowed optim server round round-compiled round-bf16 round-mps round-2-actors "
-            "units deploy") in proc.stderr
+    assert ("unknown step bogus: allowed optim optim-compiled server round round-compiled round-bf16 round-mps "
+            "round-2-actors units deploy") in proc.stderr

@@ -570,7 +570,7 @@ def test_cuda_graph_survives_a_copy_and_is_ignored_off_cuda(monkeypatch):
         set_grads(params, [torch.randn_like(p) for p in params])
         opt.step()
     ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
-    assert not selector.radix.cuda_graph and selector.radix._graph is None
+    assert not selector.device_engine.cuda_graph and selector.device_engine._graph is None
 
 
 def test_constructor_validation_lists_allowed_values():
@@ -816,7 +816,7 @@ def test_device_selection_scratch_is_the_direction_buffer_when_dtypes_agree(seco
             opt.step()
             ref.step(step_grads)
             ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
-            scratches.add(selector.radix.scratch.data_ptr())
+            scratches.add(selector.device_engine.scratch.data_ptr())
     assert_matches(params, ref, rtol=1e-5, atol=1e-6)
     lends = second_dtype == torch.float64
     assert len(scratches) == 1
@@ -901,6 +901,21 @@ def test_compiled_passes_match_reference(trust_signal, zero_frac):
                           rounds_kwargs=dict(global_steps=[0, 7], zero_frac=zero_frac), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+@pytest.mark.parametrize("trust_signal, zero_frac", [("corrected", 0.7), ("local", 0.0)])
+def test_compiled_step_with_the_counting_selection_matches_reference(trust_scope, trust_signal, zero_frac, monkeypatch):
+    """compile=True off the host (here numpy hidden, as on CUDA): the compiled passes and the
+    compiled counting selection (ties at the threshold with 70 % zero gradients), float32,
+    against the reference; the direction is nobody's scratch, so it is not computed again."""
+    monkeypatch.setattr(topk, "np", None)
+    opt, _, _ = run_against_reference({**BASE, "trust_scope": trust_scope, "trust_signal": trust_signal,
+                                       "compile": True}, dtype=torch.float32,
+                                      rounds_kwargs=dict(global_steps=[0, 7], zero_frac=zero_frac), rtol=1e-5, atol=1e-6)
+    ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
+    assert type(selector.device_engine) is topk._CountSelect
+    assert not any(run.lends_direction for run in opt._workspace.runs)
+
+
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     def broken(fn, **kwargs):
         def call(*args):
@@ -942,7 +957,9 @@ def test_gathered_scores_as_off_cpu_match_reference_and_the_cpu_path(trust_signa
 # GPU launches about one kernel per operation), a step's peak allocation, the bytes it holds.
 # "device" hides numpy, so the selection is the one a GPU runs.
 
-ENGINES = ["numpy", "device"]
+# numpy's bracketed selection (CPU), the radix select (CUDA's default, here with numpy hidden), and
+# the compiled counting selection (CUDA with compile=True; numpy hidden, float32)
+ENGINES = ["numpy", "device", "counting"]
 LARGE_D = (1 << 22) + 1000
 
 
@@ -982,11 +999,11 @@ def peak_bytes_allocated(fn):
 def large_optimizer(engine, trust_scope, monkeypatch, zero_frac=0.0):
     """FedACTAdamW (float32, tau = 0.3) on d = 2^22 + 1000 in two tensors, in a round with v_bar
     and Delta_G, and a function that sets fresh gradients (a fraction ``zero_frac`` exactly 0)."""
-    if engine == "device":
+    if engine != "numpy":
         monkeypatch.setattr(topk, "np", None)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(2048, 2048, generator=gen).requires_grad_(), torch.randn(1000, generator=gen).requires_grad_()]
-    opt = FedACTAdamW(params, **{**BASE, "tau": 0.3, "trust_scope": trust_scope})
+    opt = FedACTAdamW(params, **{**BASE, "tau": 0.3, "trust_scope": trust_scope, "compile": engine == "counting"})
     opt.begin_round(v_bar=[torch.rand(p.shape, generator=gen) for p in params],
                     delta_g=[torch.randn(p.shape, generator=gen) for p in params], global_step=5)
 
@@ -1002,12 +1019,12 @@ def test_tensor_scope_runs_at_most_one_and_a_half_times_the_operations_of_the_gl
     """On 64 tensors a tensor-scope step runs at most 1.5x the ATen operations of a global-scope
     step, so its GPU launches do not grow with the number of tensors (a selection per tensor
     ran 4.3x on the numpy engine, 11.6x on the device engine)."""
-    if engine == "device":
+    if engine != "numpy":
         monkeypatch.setattr(topk, "np", None)
     counts = {}
     for trust_scope in ("global", "tensor"):
         params = make_params(shapes=[(17, 9)] * 64, dtype=torch.float32)
-        opt = FedACTAdamW(params, **{**BASE, "trust_scope": trust_scope})
+        opt = FedACTAdamW(params, **{**BASE, "trust_scope": trust_scope, "compile": engine == "counting"})
         ((v_bar, delta_g, gs, grads),) = make_rounds(params, n_rounds=1, steps=2)
         opt.begin_round(v_bar, delta_g, gs)
         for step_grads in grads:
@@ -1018,7 +1035,7 @@ def test_tensor_scope_runs_at_most_one_and_a_half_times_the_operations_of_the_gl
 
 @pytest.mark.parametrize("engine, trust_scope, zero_frac", [
     ("numpy", "global", 0.0), ("numpy", "tensor", 0.0), ("numpy", "global", 0.7),
-    ("device", "global", 0.0), ("device", "tensor", 0.0)])
+    ("device", "global", 0.0), ("device", "tensor", 0.0), ("counting", "global", 0.7), ("counting", "tensor", 0.0)])
 def test_a_step_after_the_first_allocates_less_than_half_d_bytes(engine, trust_scope, zero_frac, monkeypatch):
     """After the first step (layout, state, scratch) a step allocates less than d/2 bytes at its
     peak, numpy's selection included: no d-sized temporary, not even a bool one. With 70 % zero
@@ -1114,7 +1131,7 @@ def test_cuda_graph_replays_the_selection_bit_for_bit(trust_scope, dtype):
                 opt.step()
             for a, b in zip(*twins):
                 assert torch.equal(a, b), (r, k)
-            radix = [sel.radix for opt in (graphed, launched)
+            radix = [sel.device_engine for opt in (graphed, launched)
                      for sel, _ in opt._workspace.selections(opt.param_groups, opt.cuda_graph)]
             assert (radix[0]._graph is not None) == (k > 0 or r == 1) and radix[1]._graph is None, (r, k)
             if r == 1 and k == 0:
@@ -1137,12 +1154,46 @@ def test_cuda_fused_kernels_are_the_default(monkeypatch):
 
 
 @needs_cuda
-def test_cuda_step_allocates_nothing_d_sized_after_the_first():
+@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
+def test_cuda_compiled_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope):
+    """compile=True on CUDA: the compiled passes and the compiled counting selection, captured as
+    a CUDA graph at the second step and replayed after, against the float64 reference loop on
+    the CPU (float32, the compiled passes' tolerance), with 30 % zero gradients (ties at the
+    threshold). Every step after the first (which compiles, and may time kernels) runs under
+    torch.cuda.set_sync_debug_mode("error")."""
+    kw = {**BASE, "trust_scope": trust_scope, "compile": True}
+    params = make_params(dtype=torch.float32)
+    ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
+    on_gpu = [p.detach().cuda().requires_grad_() for p in params]
+    opt = FedACTAdamW(on_gpu, **kw)
+    first = True
+    for v_bar, delta_g, gs, grads in make_rounds(params, global_steps=[0, 7], zero_frac=0.3):
+        opt.begin_round(v_bar=[t.cuda() for t in v_bar], delta_g=[t.cuda() for t in delta_g], global_step=gs)
+        ref.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
+        for step_grads in grads:
+            for p, g in zip(on_gpu, step_grads):
+                p.grad = g.cuda()
+            torch.cuda.set_sync_debug_mode("default" if first else "error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            first = False
+            ref.step(step_grads)
+    ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
+    assert type(selector.device_engine) is topk._CountSelect and selector.device_engine._graph is not None
+    assert_matches([p.cpu() for p in on_gpu], ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+@pytest.mark.parametrize("compile_", [False, True], ids=["radix", "compiled-counting"])
+def test_cuda_step_allocates_nothing_d_sized_after_the_first(compile_):
     """After the first step (state and scratch), a step allocates less than d/2 bytes at its
-    peak (d = 2^22 + 1000): no d-sized temporary, not even a bool one."""
+    peak (d = 2^22 + 1000): no d-sized temporary, not even a bool one; with compile=True too
+    (the counting selection's block counters: 0.06 bytes a score)."""
     params = [torch.randn(2048, 2048, device="cuda", requires_grad=True),
               torch.randn(1000, device="cuda", requires_grad=True)]
-    opt = FedACTAdamW(params, **{**BASE, "tau": 0.3})
+    opt = FedACTAdamW(params, **{**BASE, "tau": 0.3, "compile": compile_})
     opt.begin_round(v_bar=[torch.rand_like(p) for p in params], delta_g=[torch.randn_like(p) for p in params],
                     global_step=5)
     for step in range(3):

@@ -81,6 +81,107 @@ def test_segmented_selection_is_exact_in_every_segment(on_host, lanes, dtype, mo
         assert torch.equal(top, expected), (trial, sizes, ks)
 
 
+def _counting_selector(s, bounds):
+    """A selector of the compiled counting engine on the CPU (numpy hidden, as on CUDA)."""
+    selector = topk.TopKSelector(s, bounds, compiled=True)
+    assert type(selector.device_engine) is topk._CountSelect
+    return selector
+
+
+def _graphs_compiled():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("sizes", [[0, 5, 37, 0, 1, 300], [17, 2032, 47_952, 1, 19_999], [(1 << 17) + 3]],
+                         ids=["under-one-block", "bounds-inside-and-at-blocks", "one-segment"])
+def test_counting_selection_is_exact_in_every_segment(sizes, monkeypatch):
+    """The compiled counting engine (compile=True off the host): every segment j gets exactly its
+    k_j largest, ties to its lowest index, as a stable sort of that segment alone, for scores
+    with ties (signed zeros, a few values, all equal), k = 0 and k = size, empty segments,
+    segments smaller than a block and bounds inside a block and on one. New contents and ks
+    reuse the three compiled passes: they compile once for the layout, not at every selection."""
+    monkeypatch.setattr(topk, "np", None)
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    d = bounds[-1]
+    gen = torch.Generator().manual_seed(6)
+    kinds = [lambda: torch.randn(d, generator=gen),
+             lambda: torch.randint(-2, 3, (d,), generator=gen).float(),
+             lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.6) * torch.tensor([1.0, -1.0]).repeat(d)[:d],
+             lambda: torch.randn(d, generator=gen).exp() * 1e-30,
+             lambda: torch.ones(d)]
+    selector = _counting_selector(torch.empty(d), bounds)
+    before = _graphs_compiled()
+    for trial in range(11):
+        s = kinds[trial % len(kinds)]()
+        ks = [[0, n, n // 2][trial % 3] if trial < 3 else int(torch.randint(0, n + 1, (1,), generator=gen)) for n in sizes]
+        if trial == 10:  # distinct scores, the first of them the (k+1)-th largest of its segment
+            s = torch.randperm(d, generator=gen).float()
+            ks[0] = int((s[:sizes[0]] > s[0]).sum())
+        selector.scores.copy_(s)
+        selector.indicator_(ks)
+        expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
+        assert torch.equal(selector.scores, expected), (trial, ks)
+    assert _graphs_compiled() - before == 3  # value, position and indicator passes, once each
+
+
+def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_select(monkeypatch):
+    """Where torch.compile fails, the first selection warns and the radix select (with a scratch of
+    its own) does it and every later one, exactly; no score was written by the failed attempt."""
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no Triton here")
+        return call
+
+    monkeypatch.setattr(topk, "np", None)
+    monkeypatch.setattr(topk.torch, "compile", broken)
+    gen = torch.Generator().manual_seed(8)
+    bounds, ks = [0, 300, 1000], [100, 699]
+    selector = _counting_selector(torch.empty(1000), bounds)
+    for step in range(3):
+        s = torch.randint(-3, 4, (1000,), generator=gen).float()
+        selector.scores.copy_(s)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            selector.indicator_(ks)
+        assert [str(w.message) for w in record if "could not be compiled" in str(w.message)] == (
+            ["FedACTAdamW(compile=True): the counting selection could not be compiled (RuntimeError: no Triton "
+             "here); the radix select runs instead, with an integer scratch of its own"] if step == 0 else [])
+        assert type(selector.device_engine) is topk._RadixSelect
+        expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
+        assert torch.equal(selector.scores, expected)
+
+
+def test_each_counting_engine_compiles_its_own_passes(monkeypatch):
+    """torch._dynamo keeps at most recompile_limit graphs per code object; each engine compiles
+    copies of its own, so a process selecting over more layouts than that (here the limit set to
+    1, and two layouts) keeps the counting engine for every one of them."""
+    monkeypatch.setattr(topk, "np", None)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    gen = torch.Generator().manual_seed(9)
+    for bounds in ([0, 40, 100], [0, 70]):
+        s = torch.randn(bounds[-1], generator=gen)
+        selector = _counting_selector(s.clone(), bounds)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            selector.indicator_([7] * (len(bounds) - 1))
+        assert type(selector.device_engine) is topk._CountSelect
+        expected = torch.cat([_stable_top_k(s[a:b], 7) for a, b in zip(bounds, bounds[1:])])
+        assert torch.equal(selector.scores, expected)
+
+
+def test_segment_of_counts_the_ends_at_or_below_each_position():
+    """The counting engine's binary search against a plain count, with empty segments (repeated
+    ends) and the padding above the last end."""
+    for bounds in ([0, 10], [0, 0, 3, 3, 3, 9, 10], [0, 1, 2, 3, 4, 5, 6, 7, 10]):
+        ends = torch.full((1 << len(bounds).bit_length(),), bounds[-1])
+        ends[:len(bounds) - 1] = torch.tensor(bounds[1:])
+        position = torch.arange(bounds[-1])
+        expected = torch.tensor([sum(e <= i for e in bounds[1:]) for i in range(bounds[-1])])
+        assert torch.equal(topk._segment_of(position, ends), expected), bounds
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_segmented_selection_with_its_own_lanes_is_exact(dtype, monkeypatch):
     """The radix select with the lanes it picks itself for a large selection of a few segments
@@ -171,7 +272,7 @@ def _forced_graph_selector(monkeypatch, capturing):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     s = torch.randn(1000, generator=torch.Generator().manual_seed(9))
     selector = topk.TopKSelector(s.clone(), [0, 400, 1000], cuda_graph=True)
-    selector.radix.cuda_graph = True  # as on a CUDA device
+    selector.device_engine.cuda_graph = True  # as on a CUDA device
     return selector, s
 
 
@@ -192,7 +293,7 @@ def test_a_selection_whose_capture_fails_warns_once_and_launches_its_operations(
             selector.scores.copy_(s)
             selector.indicator_([100, 300])
             assert torch.equal(selector.scores, want)
-    assert len(captures) == 1 and not selector.radix.cuda_graph and len(record) == 1
+    assert len(captures) == 1 and not selector.device_engine.cuda_graph and len(record) == 1
 
 
 def test_a_failed_capture_warns_at_the_line_that_called_step(monkeypatch):
@@ -234,7 +335,7 @@ def test_a_selection_inside_the_callers_capture_is_not_captured_again(monkeypatc
             selector.scores.copy_(s)
             selector.indicator_([100, 300])
             assert torch.equal(selector.scores, want)
-    assert selector.radix._graph is None and selector.radix.cuda_graph
+    assert selector.device_engine._graph is None and selector.device_engine.cuda_graph
 
 
 def test_the_selection_threads_hold_their_scratch_before_their_first_task(monkeypatch):
@@ -320,3 +421,30 @@ def test_cuda_selection_on_a_large_segment_is_exact(kind):
         k = math.floor(tau * d)
         top = top_k_indicator_(s.cuda(), k)
         assert torch.equal(top.cpu(), _stable_top_k(s, k)), tau
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["normal", "70% zeros", "five values", "all equal"])
+@pytest.mark.parametrize("bounds", [[0, (1 << 20) + 3], [0, 1000, 1000, 700_001, (1 << 20) + 3]],
+                         ids=["one-segment", "four-segments"])
+def test_cuda_counting_selection_is_exact_launched_captured_and_replayed(kind, bounds):
+    """The compiled counting engine on CUDA, 2^20 + 3 scores: its first selection launched (and
+    compiled), later ones captured as a CUDA graph (anew for new ks) and replayed, each exactly
+    the k_j largest of every segment, ties to the lowest index, as a stable sort on the CPU."""
+    d = bounds[-1]
+    gen = torch.Generator().manual_seed(7)
+    s = {"normal": lambda: torch.randn(d, generator=gen),
+         "70% zeros": lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.7),
+         "five values": lambda: torch.randint(0, 5, (d,), generator=gen).float(),
+         "all equal": lambda: torch.ones(d)}[kind]()
+    selector = topk.TopKSelector(torch.empty(d, device="cuda"), bounds, cuda_graph=True, compiled=True)
+    assert type(selector.device_engine) is topk._CountSelect
+    for tau in (1e-6, 0.3, 0.999999):
+        ks = [math.floor(tau * (b - a)) for a, b in zip(bounds, bounds[1:])]
+        expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
+        for selection in range(3):
+            selector.scores.copy_(s)
+            selector.indicator_(ks)
+            launched = tau == 1e-6 and selection == 0
+            assert (selector.device_engine._graph is None) == launched, (tau, selection)
+            assert torch.equal(selector.scores.cpu(), expected), (tau, selection)

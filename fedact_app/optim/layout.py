@@ -26,8 +26,10 @@ entries for its histogram codes: it uses the flat direction buffer of the device
 whose u is computed again from m, v and Delta_G after the selection (three passes; kernels.py),
 or, when those runs' dtypes differ from the scores', a buffer of its own (4 d more), and its
 histogram counters (at most 2^18 integers, or 768 a segment for more than 341 segments;
-topk._lanes). All of it is allocated once per layout, and a step after the first allocates
-nothing d-sized.
+topk._lanes). With ``compile=True`` the device selection of float32 scores counts instead
+(topk._CountSelect): no scratch, so the direction is lent to nobody and not computed again, and
+its tables and per-pass sums take under 0.31 bytes a score. All of it is allocated once per
+layout, and a step after the first allocates nothing d-sized.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from fedact_app.optim.topk import TopKSelector, _select_on_host
+from fedact_app.optim.topk import TopKSelector, _select_on_host, counts_compiled
 
 # Settings of the trust modulation that one global top-k selection needs to agree on.
 TRUST_KEYS = ("rho", "tau", "alpha", "gamma", "trust_scope", "trust_signal", "scale_matched")
@@ -184,13 +186,15 @@ class Workspace:
                 self.scored.setdefault(run.device, []).append(run)
         self.scores: dict[torch.device, Tensor] = {}
         self.scratch: dict[torch.device, Tensor] = {}
+        self.compiled = all(g["compile"] for g in groups)  # the selections' engine (TopKSelector)
         for device, runs in self.scored.items():
             dtype = torch.float64 if any(r.dtype == torch.float64 for r in runs) else torch.float32
             numel = sum(r.numel for r in runs)
             scores = self.scores[device] = torch.empty(numel, dtype=dtype, device=device)
-            # The device selection needs an integer scratch as wide as the scores; when every
+            # The radix select needs an integer scratch as wide as the scores; when every
             # direction has the scores' dtype, one flat direction buffer serves as that scratch.
-            lends = not _select_on_host(device) and all(r.dtype == dtype for r in runs)
+            lends = (not _select_on_host(device) and not counts_compiled(device, dtype, self.compiled)
+                     and all(r.dtype == dtype for r in runs))
             directions = torch.empty(numel, dtype=dtype, device=device) if lends else None
             if lends:
                 self.scratch[device] = directions
@@ -206,8 +210,8 @@ class Workspace:
 
     @staticmethod
     def _key(groups: list[dict], present: list[list[Tensor]]) -> tuple:
-        return tuple((g["trust_signal"] != "none", tuple((id(p), p.shape, p.dtype, p.device) for p in ps))
-                     for g, ps in zip(groups, present))
+        return tuple((g["trust_signal"] != "none", g["compile"],
+                      tuple((id(p), p.shape, p.dtype, p.device) for p in ps)) for g, ps in zip(groups, present))
 
     def matches(self, groups: list[dict], present: list[list[Tensor]], state: dict) -> bool:
         """Whether this layout serves the step: the same parameters with gradients, and every
@@ -228,7 +232,7 @@ class Workspace:
             if len(self.scores) > 1:
                 raise RuntimeError("trust_scope='global' ranks all coordinates together and needs every "
                                    "parameter with a gradient on one device; use trust_scope='tensor'")
-            return [(TopKSelector(scores, [0, scores.numel()], self.scratch.get(device), cuda_graph), [groups[0]])
+            return [(TopKSelector(scores, [0, scores.numel()], self.scratch.get(device), cuda_graph, self.compiled), [groups[0]])
                     for device, scores in self.scores.items()]
         selections = []
         for device, runs in self.scored.items():
@@ -237,5 +241,6 @@ class Workspace:
                 for p in run.params:
                     bounds.append(bounds[-1] + p.numel())
                     owners.append(groups[run.group])
-            selections.append((TopKSelector(self.scores[device], bounds, self.scratch.get(device), cuda_graph), owners))
+            selections.append((TopKSelector(self.scores[device], bounds, self.scratch.get(device), cuda_graph,
+                                            self.compiled), owners))
         return selections

@@ -17,7 +17,14 @@ of segments:
 - elsewhere (CUDA; CPU without numpy), :class:`_RadixSelect`: a radix select over the
   bit patterns of the scores, one byte a pass, with one histogram per segment, then the tie-break
   by a running count: about 140 tensor operations for any number of segments, one integer scratch
-  of d entries, nothing that waits for the device and no d-sized temporary.
+  of d entries, nothing that waits for the device and no d-sized temporary;
+- there, for float32 scores with ``compiled=True`` (``FedACTAdamW(compile=True)``),
+  :class:`_CountSelect`: the threshold and the tie's position found three bits a pass by
+  counting, in passes that ``torch.compile`` makes into a few kernels each, one read of the
+  scores a pass, no atomic addition and no scratch.
+
+The two device engines run the same way (:class:`_DeviceEngine`): launched at the first
+selection, then on CUDA captured as one CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import math
 import os
 import sys
 import threading
+import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Optional, Sequence
@@ -73,6 +81,13 @@ def _select_on_host(device: torch.device) -> bool:
     return device.type == "cpu" and np is not None
 
 
+def counts_compiled(device: torch.device, dtype: torch.dtype, compiled: bool) -> bool:
+    """Whether a selection of ``dtype`` scores on ``device`` runs the compiled counting engine
+    (:class:`_CountSelect`, asked for with ``compiled``; float32 scores off the host), which
+    needs no integer scratch."""
+    return compiled and dtype == torch.float32 and not _select_on_host(device)
+
+
 class TopKSelector:
     """One selection over the 1-D float32/float64 ``scores`` cut at ``bounds`` (``0 = b_0 <= b_1
     <= ... = d``: segment j is ``scores[b_j:b_{j+1}]``), reused step after step.
@@ -88,7 +103,7 @@ class TopKSelector:
     """
 
     def __init__(self, scores: Tensor, bounds: Sequence[int], scratch: Optional[Tensor] = None,
-                 cuda_graph: bool = False) -> None:
+                 cuda_graph: bool = False, compiled: bool = False) -> None:
         if list(bounds[:1]) != [0] or bounds[-1] != scores.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"Invalid bounds: expected 0 <= ... <= {scores.numel()}, got {list(bounds)}")
         self.scores = scores
@@ -97,8 +112,10 @@ class TopKSelector:
         if self.on_host:
             self.draws = [0] * (len(self.bounds) - 1)  # samples drawn per segment; a miss draws anew
             self.samples = [self.draw_sample(j) for j in range(len(self.draws))]
+        elif counts_compiled(scores.device, scores.dtype, compiled):
+            self.device_engine: _DeviceEngine = _CountSelect(scores, self.bounds, cuda_graph)
         else:
-            self.radix = _RadixSelect(scores, self.bounds, scratch, cuda_graph)
+            self.device_engine = _RadixSelect(scores, self.bounds, scratch, cuda_graph)
 
     def sizes(self) -> list[int]:
         """The number of scores in every segment."""
@@ -122,7 +139,19 @@ class TopKSelector:
         if len(ks) != len(self.bounds) - 1 or any(not 0 <= k <= n for k, n in zip(ks, self.sizes())):
             raise ValueError(f"Invalid ks: {list(ks)} for segments of {self.sizes()} scores")
         if not self.on_host:
-            self.radix.indicator_(ks)
+            engine = self.device_engine
+            try:
+                engine.indicator_(ks)
+            except _CompileFailed as err:  # at the first selection, before any score was written
+                if engine._loaded:
+                    raise
+                # stacklevel: the caller of FedACTAdamW.step(), past this method, _modulate,
+                # fedact_step, _step, step and its two torch wrappers
+                warnings.warn(f"FedACTAdamW(compile=True): the counting selection could not be compiled ({err}); "
+                              f"the radix select runs instead, with an integer scratch of its own",
+                              RuntimeWarning, stacklevel=8)
+                self.device_engine = _RadixSelect(self.scores, self.bounds, None, engine.cuda_graph)
+                self.device_engine.indicator_(ks)
             return
         if len(ks) == 1:  # one segment: torch's comparisons, on its threads, are 3x numpy's here
             s, k = self.scores, ks[0]
@@ -327,67 +356,27 @@ def _balanced_runs(sizes: Sequence[int], n: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-class _RadixSelect:
-    """The device engine: the top ``k_j`` of every segment at once, in tensor operations whose
-    number does not depend on the number of segments, so nothing waits for the device.
+class _DeviceEngine:
+    """What both device engines share: the ks on the device, and their launch or replay.
 
-    The scores' bit patterns, made order-preserving (:meth:`_keys`), are read one byte a pass
-    from the top. Every score carries a code in the integer ``scratch``: ``3j + 1`` while it is
-    still a candidate for segment j's threshold, ``3j + 2`` once it is known to be above it,
-    ``3j`` below (in the first pass, where every score is a candidate, just ``j``). A pass turns
-    the code into a histogram bin ``256 code + byte``, counts the bins (``index_add_``), finds in
-    each segment's candidate histogram the byte of its ``k_j``-th largest remaining score, and
-    maps every bin to its new code with one ``searchsorted`` over three boundaries per segment.
-    Each bin is counted in ``lanes`` copies, the score's position modulo ``lanes`` picking one,
-    the copies lane after lane (:class:`_Bins`; the codes lose their lane again before the
-    ``searchsorted``): the top byte (sign and exponent) puts nearly every score of a segment in
-    a few bins, and on CUDA the atomic additions into one counter run one after another (11.2 M
-    scores into one counter: 8.3 ms on an H100, into 1,024 of them 0.21 ms). The first pass,
-    whose bins are a third of a later pass's, takes more lanes within the same budget of
-    counters (up to three times, rounded down to a power of two): it is the contended one,
-    most of all with many segments, whose lanes are few (ResNet-18's 62 tensors: 16 in the
-    first pass, 4 in the others). After the last byte the candidates left are the scores equal
-    to the threshold; a running count over them (``cumsum_`` in the scores' memory) keeps the
-    first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
-
-    Memory: the scratch (4 bytes a float32 score), the scores' own buffer, the counters (at most
-    ``max(_LANE_COUNTERS, 768 x segments)`` integers of the keys' width) and tensors of a few
-    entries per segment; no operation makes a d-sized temporary on CUDA.
-    ``torch.topk`` is not used: its outputs hold ``12 min(k, d-k+1)`` bytes (about 6 d at
-    tau = 0.5), its CUDA launches happen once per segment, and the tie-break it needs cost a
-    d-sized cast in ``torch.cumsum``.
+    A subclass sets ``scores`` and implements :meth:`_select`, the selection's tensor operations
+    for the ks of ``self._ks``, none of which waits for the device.
 
     ``cuda_graph`` (CUDA only): the operations are the same at every selection (the buffers, the
     segments and the ks are fixed; no branch depends on the scores), so the second selection
     captures them as one CUDA graph (:func:`_captured`) and every later one replays it: one
-    launch instead of about 140 that each cost the host a few microseconds, and the same
-    kernels on the same memory, so the same result bit for bit. The first selection runs them
+    launch instead of one per kernel (about 140 for the radix select), each of which costs the
+    host a few microseconds, and the same kernels on the same memory, so the same result bit
+    for bit. The first selection runs them
     one by one, which also loads each kernel before any capture. New ks mean a new capture.
     Inside a capture of the caller's (the whole step in a graph) the operations go into that
     graph; a capture that fails warns and leaves this selection's operations launched one by one.
     """
 
-    def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor], cuda_graph: bool) -> None:
-        if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
-            raise RuntimeError("the device top-k reads the scores' bytes as little-endian")
-        device, n_seg = scores.device, len(bounds) - 1
-        self.scores, self.n_seg = scores, n_seg
-        self.key_dtype = torch.int32 if scores.dtype == torch.float32 else torch.int64
-        self.bytes = scores.element_size()
-        self.keys = scores.view(self.key_dtype)
-        self.scratch = (torch.empty(scores.numel(), dtype=self.key_dtype, device=device) if scratch is None
-                        else scratch.view(self.key_dtype))
-        # the first pass has candidates only (code j, one block of bins a segment), the later
-        # ones three blocks (codes 3j, 3j + 1, 3j + 2): within one budget of counters, more lanes
-        self.first, self.later = (_Bins(self.scratch, n_seg, blocks) for blocks in (1, 3))
-        self.counts = torch.empty(max(self.first.counters, self.later.counters), dtype=self.key_dtype, device=device)
-        self.one = torch.ones((), dtype=self.key_dtype, device=device).expand(scores.numel())
-        # Codes j for every score: 0 at the first, +1 where each later segment starts.
-        starts = [b for b in bounds[1:-1] if b < scores.numel()]
-        self.code_at = _on_device(starts, torch.int64, device)
-        self.code_step = torch.ones((), dtype=self.key_dtype, device=device).expand(len(starts))
+    def __init__(self, scores: Tensor, cuda_graph: bool) -> None:
+        self.scores = scores
         self._ks: tuple[tuple[int, ...], Optional[Tensor]] = ((), None)
-        self.cuda_graph = cuda_graph and device.type == "cuda"
+        self.cuda_graph = cuda_graph and scores.device.type == "cuda"
         self._graph: Optional["torch.cuda.CUDAGraph"] = None
         self._loaded = False  # whether the operations have run once (every kernel loaded)
 
@@ -417,6 +406,65 @@ class _RadixSelect:
         else:
             self._select()
             self._loaded = True
+
+    def _select(self) -> None:
+        raise NotImplementedError
+
+
+class _RadixSelect(_DeviceEngine):
+    """The device engine: the top ``k_j`` of every segment at once, in tensor operations whose
+    number does not depend on the number of segments, so nothing waits for the device.
+
+    The scores' bit patterns, made order-preserving (:meth:`_keys`), are read one byte a pass
+    from the top. Every score carries a code in the integer ``scratch``: ``3j + 1`` while it is
+    still a candidate for segment j's threshold, ``3j + 2`` once it is known to be above it,
+    ``3j`` below (in the first pass, where every score is a candidate, just ``j``). A pass turns
+    the code into a histogram bin ``256 code + byte``, counts the bins (``index_add_``), finds in
+    each segment's candidate histogram the byte of its ``k_j``-th largest remaining score, and
+    maps every bin to its new code with one ``searchsorted`` over three boundaries per segment.
+    Each bin is counted in ``lanes`` copies, the score's position modulo ``lanes`` picking one,
+    the copies lane after lane (:class:`_Bins`; the codes lose their lane again before the
+    ``searchsorted``): the top byte (sign and exponent) puts nearly every score of a segment in
+    a few bins, and on CUDA the atomic additions into one counter run one after another (11.2 M
+    scores into one counter: 8.3 ms on an H100, into 1,024 of them 0.21 ms). The first pass,
+    whose bins are a third of a later pass's, takes more lanes within the same budget of
+    counters (up to three times, rounded down to a power of two): it is the contended one,
+    most of all with many segments, whose lanes are few (ResNet-18's 62 tensors: 16 in the
+    first pass, 4 in the others). After the last byte the candidates left are the scores equal
+    to the threshold; a running count over them (``cumsum_`` in the scores' memory) keeps the
+    first ``need_j`` of each segment, lowest index first (:meth:`_tie_break`).
+
+    Memory: the scratch (4 bytes a float32 score), the scores' own buffer, the counters (at most
+    ``max(_LANE_COUNTERS, 768 x segments)`` integers of the keys' width) and tensors of a few
+    entries per segment; no operation makes a d-sized temporary on CUDA.
+    ``torch.topk`` is not used: its outputs hold ``12 min(k, d-k+1)`` bytes (about 6 d at
+    tau = 0.5), its CUDA launches happen once per segment, and the tie-break it needs cost a
+    d-sized cast in ``torch.cumsum``.
+    ``cuda_graph``: as :class:`_DeviceEngine` says.
+    """
+
+    uses_scratch = True
+
+    def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor], cuda_graph: bool) -> None:
+        if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
+            raise RuntimeError("the device top-k reads the scores' bytes as little-endian")
+        super().__init__(scores, cuda_graph)
+        device, n_seg = scores.device, len(bounds) - 1
+        self.n_seg = n_seg
+        self.key_dtype = torch.int32 if scores.dtype == torch.float32 else torch.int64
+        self.bytes = scores.element_size()
+        self.keys = scores.view(self.key_dtype)
+        self.scratch = (torch.empty(scores.numel(), dtype=self.key_dtype, device=device) if scratch is None
+                        else scratch.view(self.key_dtype))
+        # the first pass has candidates only (code j, one block of bins a segment), the later
+        # ones three blocks (codes 3j, 3j + 1, 3j + 2): within one budget of counters, more lanes
+        self.first, self.later = (_Bins(self.scratch, n_seg, blocks) for blocks in (1, 3))
+        self.counts = torch.empty(max(self.first.counters, self.later.counters), dtype=self.key_dtype, device=device)
+        self.one = torch.ones((), dtype=self.key_dtype, device=device).expand(scores.numel())
+        # Codes j for every score: 0 at the first, +1 where each later segment starts.
+        starts = [b for b in bounds[1:-1] if b < scores.numel()]
+        self.code_at = _on_device(starts, torch.int64, device)
+        self.code_step = torch.ones((), dtype=self.key_dtype, device=device).expand(len(starts))
 
     def _select(self) -> None:
         """The selection's operations (class docstring), for the ks of ``self._ks``."""
@@ -485,6 +533,183 @@ class _RadixSelect:
         self.scores.copy_(codes)
 
 
+class _CompileFailed(RuntimeError):
+    """torch.compile could not make the counting engine's kernels here (no compiler, no Triton)."""
+
+
+class _CountSelect(_DeviceEngine):
+    """The compiled device engine (``compiled=True``, float32 scores): the top ``k_j`` of every
+    segment by counting, in kernels that ``torch.compile`` fuses, with no atomic addition, no
+    integer scratch and no d-sized temporary.
+
+    With the scores' keys (:func:`_order_keys`: int32 in the scores' order), T_j, the
+    ``k_j``-th largest key of segment j, is the largest v with ``#{key >= v} >= k_j``. It is
+    found from the top bit down, ``_COUNT_BITS`` bits a pass: with the prefix R_j found so far
+    (its lower bits 0), a pass counts, per segment, the keys at or above each candidate
+    ``R_j + t 2^shift`` (t = 1 .. 7), and keeps the largest t whose count reaches ``k_j``
+    (:func:`_value_pass`). Then the tie-break, lowest index first: among the keys equal to T_j
+    the same search finds ``cut_j``, the position of the ``need_j``-th of them, where ``need_j =
+    k_j - #{key > T_j}`` (:func:`_position_pass`), and the last pass writes the indicator of
+    ``key > T_j or (key == T_j and position <= cut_j)`` into the scores (:func:`_indicator`):
+    11 passes for the keys' 32 bits, ``ceil(log2(d) / 3)`` for the positions (8 up to 16.7 M
+    scores), each one read of the scores.
+
+    A pass reads the scores in rows of at most ``_COUNT_ROW`` (255) that never straddle a
+    segment, so a row's segment and prefix are loaded once. Every score gets a level, the number
+    of candidates it reaches (0 .. 7), and a row sums ``2^(8 (level - 1))`` over its scores in
+    one int64: seven 8-bit counters that cannot carry, about twenty integer instructions a score
+    where a compare per candidate would take three times as many. A running sum over the rows,
+    taken at the segments' first rows, gives every segment's counts. Where atomic additions into
+    a few hot counters queue (the radix select's histograms, docs/PERFORMANCE.md), these sums do
+    not contend, and the work does not depend on the number of segments.
+
+    The passes are three functions compiled for this engine's layout, at its first selection;
+    where compilation fails that selection raises :class:`_CompileFailed` before any score is
+    written (:class:`TopKSelector` then runs the radix select). Memory: the rows' tables (16
+    bytes a row, 0.06 bytes a score) and, within a pass, the rows' sums and counts (under 0.25
+    bytes a score).
+    ``cuda_graph``: as :class:`_DeviceEngine` says.
+    """
+
+    uses_scratch = False
+
+    def __init__(self, scores: Tensor, bounds: list[int], cuda_graph: bool) -> None:
+        super().__init__(scores, cuda_graph)
+        d, device = scores.numel(), scores.device
+        starts, lengths, first_rows = [], [], [0]
+        for a, b in zip(bounds, bounds[1:]):
+            starts += range(a, b, _COUNT_ROW)
+            lengths += [min(_COUNT_ROW, b - s) for s in range(a, b, _COUNT_ROW)]
+            first_rows.append(len(starts))
+        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(first_rows).diff())
+        # a position's segment, for the indicator: the number of segment ends <= it, by a binary
+        # search over the ends padded with d to a power of two (every probe then in range)
+        ends = torch.full((1 << len(bounds).bit_length(),), d, dtype=torch.int32)
+        ends[:len(bounds) - 1] = torch.tensor(bounds[1:])
+        rows = (torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), segment,
+                torch.tensor(first_rows))
+        self.rows = tuple(_to_device(t, device) for t in rows)
+        self.ends = _to_device(ends, device)
+        self.value_shifts = list(range(32 - _COUNT_BITS, -1, -_COUNT_BITS)) + [0]  # 29, 26, ..., 2, 0
+        position_bits = _COUNT_BITS * -(-max(1, (d - 1).bit_length()) // _COUNT_BITS)
+        self.position_shifts = list(range(position_bits - _COUNT_BITS, -1, -_COUNT_BITS))
+        self.shift = {s: _on_device([s], torch.int32, device)[0] for s in set(self.value_shifts + self.position_shifts)}
+        self.value_pass, self.position_pass, self.indicator = map(_compiled_copy, (_value_pass, _position_pass,
+                                                                                   _indicator))
+
+    def _select(self) -> None:
+        ks = self._ks[1]
+        value = torch.full_like(ks, -(1 << 31))
+        for shift in self.value_shifts:
+            value = self.value_pass(self.scores, value, ks, self.shift[shift], *self.rows)
+        cut = torch.zeros_like(ks)
+        for shift in self.position_shifts:
+            cut = self.position_pass(self.scores, value, cut, ks, self.shift[shift], *self.rows)
+        self.indicator(self.scores, value, cut, ks, self.ends)
+
+
+_COUNT_BITS = 3  # bits of T found per pass: candidates t = 1 .. 7, a level of 3 bits a score
+_COUNT_ROW = 255  # scores a row: its seven 8-bit counters cannot carry
+
+
+def _compiled_copy(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` of a copy of ``fn`` with a code object of its own, compiled at its
+    first call: torch._dynamo keeps at most ``recompile_limit`` (8) graphs per code object, and
+    one process may select over more layouts than that (a benchmark, a test run). A call whose
+    compilation fails raises :class:`_CompileFailed`."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    compiled = torch.compile(own, dynamic=False, fullgraph=True)
+
+    def call(*args):
+        try:
+            return compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - whatever the compiler raised
+            raise _CompileFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    return call
+
+
+def _segment_of(position: Tensor, ends: Tensor) -> Tensor:
+    """The number of ``ends`` (sorted, a power of two of them, the last above every position)
+    at or below each position: a binary search of fixed depth, which compiles into the kernel
+    that reads it (``torch.bucketize`` runs apart on CPU, with a d-sized output)."""
+    seg = torch.zeros_like(position)
+    step = ends.numel() // 2
+    while step:
+        seg = seg + step * (ends[seg + (step - 1)] <= position)
+        step //= 2
+    return seg
+
+
+def _order_keys(scores: Tensor) -> Tensor:
+    """float32 scores as int32 keys in the same order (-0.0 equal to +0.0): the bits of a score
+    >= 0, and those of a negative score with every bit but the sign flipped."""
+    bits = torch.where(scores == 0, torch.zeros_like(scores), scores).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _row_keys(scores: Tensor, starts: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The keys of every row (rows x ``_COUNT_ROW``), their positions, and which are the row's
+    (a short row repeats its last score, which then does not count)."""
+    lane = torch.arange(_COUNT_ROW, dtype=torch.int32, device=scores.device)
+    valid = lane < lengths[:, None]
+    position = starts[:, None] + torch.minimum(lane, lengths[:, None] - 1)
+    return _order_keys(scores[position]), position, valid
+
+
+def _at_least(level: Tensor, valid: Tensor, segment: Tensor, first_rows: Tensor) -> Tensor:
+    """``counts[j, l - 1] = #{scores of segment j with level >= l}`` for l = 1 .. 7, from the
+    levels (0 .. 7) of the rows' scores: a row's levels summed as seven 8-bit counters in one
+    int64, those counters summed over each segment's rows."""
+    field = torch.ones_like(level, dtype=torch.int64) << (8 * (level - 1)).clamp(min=0)  # no negative shift
+    packed = torch.where(valid & (level > 0), field, 0)
+    per_row = packed.sum(1)
+    fields = 8 * torch.arange(7, device=level.device)
+    counts = ((per_row[:, None] >> fields) & 255).to(torch.int32)       # rows x 7: #{level == l}
+    running = torch.cat((torch.zeros_like(counts[:1]), counts.cumsum(0, dtype=torch.int32)))
+    per_segment = running[first_rows[1:]] - running[first_rows[:-1]]   # segments x 7
+    return per_segment.flip(1).cumsum(1, dtype=torch.int32).flip(1)    # #{level >= l}
+
+
+def _value_pass(scores: Tensor, value: Tensor, ks: Tensor, shift: Tensor, starts: Tensor, lengths: Tensor,
+                segment: Tensor, first_rows: Tensor) -> Tensor:
+    """The next ``_COUNT_BITS`` bits of every T_j: ``value`` plus the largest ``t 2^shift`` with
+    ``#{key >= value + t 2^shift} >= k_j`` (t = 0 when none). A key's level is the number of
+    candidates it reaches, ``min(7, (key >> shift) - (value >> shift))`` where that is >= 0 (a
+    difference past int32's range is past 7 too)."""
+    key, _, valid = _row_keys(scores, starts, lengths)
+    above = (value >> shift).to(torch.int32)[segment][:, None]
+    a = key >> shift
+    steps = a - above
+    level = torch.where(a >= above, torch.where((steps < 0) | (steps > 7), 7, steps), 0)
+    counts = _at_least(level, valid, segment, first_rows)
+    return value + (counts >= ks[:, None]).sum(1) * (1 << shift.to(torch.int64))
+
+
+def _position_pass(scores: Tensor, value: Tensor, cut: Tensor, ks: Tensor, shift: Tensor, starts: Tensor,
+                   lengths: Tensor, segment: Tensor, first_rows: Tensor) -> Tensor:
+    """The next ``_COUNT_BITS`` bits of every segment's last tie position: ``cut`` plus the largest
+    ``t 2^shift`` with ``#{key > T_j} + #{key == T_j, position < cut + t 2^shift} < k_j``. A key
+    above T_j reaches every candidate, one equal to it those with ``t > (position >> shift) -
+    (cut >> shift)``."""
+    key, position, valid = _row_keys(scores, starts, lengths)
+    t_row = value.clamp(max=(1 << 31) - 1).to(torch.int32)[segment][:, None]
+    before = (position >> shift) - (cut >> shift).to(torch.int32)[segment][:, None]
+    level = torch.where(key > t_row, 7, torch.where(key == t_row, (7 - before).clamp(0, 7), 0))
+    counts = _at_least(level, valid, segment, first_rows).flip(1)  # candidate t reached at level >= 8 - t
+    return cut + (counts < ks[:, None]).sum(1) * (1 << shift.to(torch.int64))
+
+
+def _indicator(scores: Tensor, value: Tensor, cut: Tensor, ks: Tensor, ends: Tensor) -> None:
+    """``scores`` <- 1 where ``key > T_j`` or ``key == T_j`` at a position up to ``cut_j``
+    (nothing where k_j = 0), else 0."""
+    position = torch.arange(scores.numel(), dtype=torch.int32, device=scores.device)
+    seg = _segment_of(position, ends)
+    t = value.clamp(max=(1 << 31) - 1).to(torch.int32)[seg]
+    last = torch.where(ks > 0, cut, -1).clamp(max=scores.numel()).to(torch.int32)[seg]
+    key = _order_keys(scores)
+    scores.copy_((key > t) | ((key == t) & (position <= last)))
+
 def _captured(fn: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":
     """``fn``'s CUDA operations captured (not run) as one graph, on a side stream that first waits
     for the current stream's work; replayed on the current stream. The temporaries ``fn`` makes
@@ -547,7 +772,11 @@ def _lanes(d: int, n_seg: int, blocks: int) -> int:
 
 
 def _on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small tensor of ``values`` on ``device``; off CPU copied from pinned memory, which does
-    not wait for the device."""
-    t = torch.tensor(values, dtype=dtype)
+    """A small tensor of ``values`` on ``device`` (:func:`_to_device`)."""
+    return _to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """The CPU tensor ``t`` on ``device``; off CPU copied from pinned memory, which does not wait
+    for the device."""
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
