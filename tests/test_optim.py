@@ -903,40 +903,53 @@ def test_compiled_passes_match_reference(trust_signal, zero_frac):
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 @pytest.mark.parametrize("trust_signal, zero_frac", [("corrected", 0.7), ("local", 0.0)])
-def test_compiled_step_with_the_counting_selection_matches_reference(trust_scope, trust_signal, zero_frac, monkeypatch):
+def test_compiled_step_with_the_counting_selection_matches_reference(trust_scope, trust_signal, zero_frac,
+                                                                    monkeypatch):
     """compile=True off the host (here numpy hidden, as on CUDA): the compiled passes and the
     compiled counting selection (ties at the threshold with 70 % zero gradients), float32,
     against the reference; the direction is nobody's scratch, so it is not computed again."""
     monkeypatch.setattr(topk, "np", None)
     opt, _, _ = run_against_reference({**BASE, "trust_scope": trust_scope, "trust_signal": trust_signal,
-                                       "compile": True}, dtype=torch.float32,
-                                      rounds_kwargs=dict(global_steps=[0, 7], zero_frac=zero_frac), rtol=1e-5, atol=1e-6)
+                                       "compile": True}, dtype=torch.float32, rtol=1e-5, atol=1e-6,
+                                      rounds_kwargs=dict(global_steps=[0, 7], zero_frac=zero_frac))
     ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
     assert type(selector.device_engine) is topk._CountSelect
     assert not any(run.lends_direction for run in opt._workspace.runs)
 
 
-def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
+@pytest.mark.parametrize("engine", ["numpy", "counting"])
+def test_compile_failure_falls_back_to_eager_with_one_warning(engine, monkeypatch):
+    """torch.compile failing: one warning for the process, whatever failed (the compiled passes,
+    and with numpy hidden the counting selection too), and the steps of compile=False: bit for
+    bit with numpy's selection; with the radix select in its own scratch instead of the
+    direction's, u is not computed again after the selection, and the steps follow the
+    reference."""
     def broken(fn, **kwargs):
         def call(*args):
             raise RuntimeError("no C++ compiler here")
         return call
 
+    if engine == "counting":
+        monkeypatch.setattr(topk, "np", None)
     monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(topk, "_compile_failures", [])
     monkeypatch.setattr(kernels.torch, "compile", broken)
     results = []
     for compile_ in (True, False):
         params = make_params(dtype=torch.float32)
         rounds = make_rounds(params)
         if compile_:
+            ref = Reference(params, hyper_of(BASE, len(params)), **trust_of(BASE))
             with pytest.warns(RuntimeWarning, match="torch.compile failed.*no C\\+\\+ compiler") as record:
-                drive(FedACTAdamW(params, **BASE, compile=True), params, None, rounds)
+                drive(FedACTAdamW(params, **BASE, compile=True), params, ref, rounds)
             assert len(record) == 1
+            assert_matches(params, ref, rtol=1e-5, atol=1e-6)
         else:
             drive(FedACTAdamW(params, **BASE), params, None, rounds)
         results.append(params)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    if engine == "numpy":
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("trust_signal", ["corrected", "local"])
@@ -1014,17 +1027,18 @@ def large_optimizer(engine, trust_scope, monkeypatch, zero_frac=0.0):
     return opt, params, new_gradients
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ["numpy", "device"])
 def test_tensor_scope_runs_at_most_one_and_a_half_times_the_operations_of_the_global_scope(engine, monkeypatch):
     """On 64 tensors a tensor-scope step runs at most 1.5x the ATen operations of a global-scope
     step, so its GPU launches do not grow with the number of tensors (a selection per tensor
-    ran 4.3x on the numpy engine, 11.6x on the device engine)."""
-    if engine != "numpy":
+    ran 4.3x on the numpy engine, 11.6x on the device engine). The counting engine's kernels are
+    compiled, not ATen operations: its passes do not depend on the segments by construction."""
+    if engine == "device":
         monkeypatch.setattr(topk, "np", None)
     counts = {}
     for trust_scope in ("global", "tensor"):
         params = make_params(shapes=[(17, 9)] * 64, dtype=torch.float32)
-        opt = FedACTAdamW(params, **{**BASE, "trust_scope": trust_scope, "compile": engine == "counting"})
+        opt = FedACTAdamW(params, **{**BASE, "trust_scope": trust_scope})
         ((v_bar, delta_g, gs, grads),) = make_rounds(params, n_rounds=1, steps=2)
         opt.begin_round(v_bar, delta_g, gs)
         for step_grads in grads:
@@ -1035,7 +1049,8 @@ def test_tensor_scope_runs_at_most_one_and_a_half_times_the_operations_of_the_gl
 
 @pytest.mark.parametrize("engine, trust_scope, zero_frac", [
     ("numpy", "global", 0.0), ("numpy", "tensor", 0.0), ("numpy", "global", 0.7),
-    ("device", "global", 0.0), ("device", "tensor", 0.0), ("counting", "global", 0.7), ("counting", "tensor", 0.0)])
+    ("device", "global", 0.0), ("device", "tensor", 0.0),
+    ("counting", "global", 0.7), ("counting", "tensor", 0.0)])
 def test_a_step_after_the_first_allocates_less_than_half_d_bytes(engine, trust_scope, zero_frac, monkeypatch):
     """After the first step (layout, state, scratch) a step allocates less than d/2 bytes at its
     peak, numpy's selection included: no d-sized temporary, not even a bool one. With 70 % zero
@@ -1190,7 +1205,7 @@ def test_cuda_compiled_steps_follow_the_reference_and_never_wait_for_the_device(
 def test_cuda_step_allocates_nothing_d_sized_after_the_first(compile_):
     """After the first step (state and scratch), a step allocates less than d/2 bytes at its
     peak (d = 2^22 + 1000): no d-sized temporary, not even a bool one; with compile=True too
-    (the counting selection's block counters: 0.06 bytes a score)."""
+    (the counting selection's row tables and sums: about 0.3 bytes a score)."""
     params = [torch.randn(2048, 2048, device="cuda", requires_grad=True),
               torch.randn(1000, device="cuda", requires_grad=True)]
     opt = FedACTAdamW(params, **{**BASE, "tau": 0.3, "compile": compile_})

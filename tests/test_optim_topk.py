@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import fedact_app.optim.kernels as kernels
 import fedact_app.optim.topk as topk
 from fedact_app.optim import FedACTAdamW, top_k_indicator_
 
@@ -92,14 +93,14 @@ def _graphs_compiled():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("sizes", [[0, 5, 37, 0, 1, 300], [17, 2032, 47_952, 1, 19_999], [(1 << 17) + 3]],
-                         ids=["under-one-block", "bounds-inside-and-at-blocks", "one-segment"])
+@pytest.mark.parametrize("sizes", [[0, 5, 37, 0, 1, 300], [17, 2040, 47_952, 1, 19_999], [(1 << 17) + 3]],
+                         ids=["short-rows", "whole-and-short-rows", "one-segment"])
 def test_counting_selection_is_exact_in_every_segment(sizes, monkeypatch):
     """The compiled counting engine (compile=True off the host): every segment j gets exactly its
     k_j largest, ties to its lowest index, as a stable sort of that segment alone, for scores
-    with ties (signed zeros, a few values, all equal), k = 0 and k = size, empty segments,
-    segments smaller than a block and bounds inside a block and on one. New contents and ks
-    reuse the three compiled passes: they compile once for the layout, not at every selection."""
+    with ties (signed zeros, a few values, all equal), k = 0 and k = size, empty segments, and
+    segments shorter than a row of 255, of whole rows (2,040) and ending in a short row. New
+    contents and ks reuse the three compiled passes: they compile once for the layout."""
     monkeypatch.setattr(topk, "np", None)
     bounds = [0]
     for n in sizes:
@@ -108,14 +109,16 @@ def test_counting_selection_is_exact_in_every_segment(sizes, monkeypatch):
     gen = torch.Generator().manual_seed(6)
     kinds = [lambda: torch.randn(d, generator=gen),
              lambda: torch.randint(-2, 3, (d,), generator=gen).float(),
-             lambda: torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.6) * torch.tensor([1.0, -1.0]).repeat(d)[:d],
+             lambda: (torch.randn(d, generator=gen) * (torch.rand(d, generator=gen) > 0.6)
+                      * torch.tensor([1.0, -1.0]).repeat(d)[:d]),
              lambda: torch.randn(d, generator=gen).exp() * 1e-30,
              lambda: torch.ones(d)]
     selector = _counting_selector(torch.empty(d), bounds)
     before = _graphs_compiled()
     for trial in range(11):
         s = kinds[trial % len(kinds)]()
-        ks = [[0, n, n // 2][trial % 3] if trial < 3 else int(torch.randint(0, n + 1, (1,), generator=gen)) for n in sizes]
+        ks = [[0, n, n // 2][trial % 3] if trial < 3 else int(torch.randint(0, n + 1, (1,), generator=gen))
+              for n in sizes]
         if trial == 10:  # distinct scores, the first of them the (k+1)-th largest of its segment
             s = torch.randperm(d, generator=gen).float()
             ks[0] = int((s[:sizes[0]] > s[0]).sum())
@@ -135,6 +138,7 @@ def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_se
         return call
 
     monkeypatch.setattr(topk, "np", None)
+    monkeypatch.setattr(topk, "_compile_failures", [])
     monkeypatch.setattr(topk.torch, "compile", broken)
     gen = torch.Generator().manual_seed(8)
     bounds, ks = [0, 300, 1000], [100, 699]
@@ -151,6 +155,29 @@ def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_se
         assert type(selector.device_engine) is topk._RadixSelect
         expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
         assert torch.equal(selector.scores, expected)
+
+
+def test_a_counting_selection_that_cannot_compile_warns_at_the_line_that_called_step(monkeypatch):
+    """The fallback's warning names the caller of FedACTAdamW.step() (here the compiled passes
+    run eagerly, so the selection's failure is the process's first)."""
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no Triton here")
+        return call
+
+    monkeypatch.setattr(topk, "np", None)
+    monkeypatch.setattr(topk, "_compile_failures", [])
+    monkeypatch.setattr(topk.torch, "compile", broken)
+    monkeypatch.setattr(kernels, "_direction_compiled", lambda run, sqrt_bias2, local_scale: False)
+    params = [torch.randn(40, requires_grad=True), torch.randn(3, 5, requires_grad=True)]
+    opt = FedACTAdamW(params, lr=1e-2, compile=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.step()
+    ((warning,),) = [[w for w in record if "could not be compiled" in str(w.message)]]
+    assert warning.filename == __file__, warning.filename
 
 
 def test_each_counting_engine_compiles_its_own_passes(monkeypatch):

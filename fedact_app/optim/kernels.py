@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fedact_app.optim.layout import FUSED_UPDATE_DTYPES, Run
+from fedact_app.optim import topk
 from fedact_app.optim.topk import TopKSelector
 
 
@@ -160,18 +161,19 @@ def _constants(values: list[float], like: Tensor) -> Tensor:
 
 
 def _run_compiled(name: str, fn: Callable, *args) -> bool:
-    """``torch.compile(fn)(*args)``, compiled once per process; False (after one warning, and
-    for good) when torch.compile does not work here."""
-    if "error" in _COMPILED:
+    """``torch.compile(fn)(*args)``, compiled once per process; False (for good, after one
+    warning for the process, :func:`fedact_app.optim.topk.compile_failed`) when torch.compile
+    does not work here."""
+    if topk._compile_failures:
         return False
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(fn, dynamic=False, fullgraph=True)
     try:
         _COMPILED[name](*args)
     except Exception as exc:  # noqa: BLE001 - whatever the compiler raised: eager from now on
-        _COMPILED["error"] = exc
-        warnings.warn(f"FedACTAdamW(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
-                      f"using the eager operations", RuntimeWarning, stacklevel=9)  # step()'s caller
+        if topk.compile_failed(exc):
+            warnings.warn(f"FedACTAdamW(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
+                          f"using the eager operations", RuntimeWarning, stacklevel=9)  # step()'s caller
         return False
     return True
 

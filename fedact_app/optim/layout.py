@@ -193,7 +193,7 @@ class Workspace:
             scores = self.scores[device] = torch.empty(numel, dtype=dtype, device=device)
             # The radix select needs an integer scratch as wide as the scores; when every
             # direction has the scores' dtype, one flat direction buffer serves as that scratch.
-            lends = (not _select_on_host(device) and not counts_compiled(device, dtype, self.compiled)
+            lends = (not _select_on_host(device) and not counts_compiled(device, dtype, numel, self.compiled)
                      and all(r.dtype == dtype for r in runs))
             directions = torch.empty(numel, dtype=dtype, device=device) if lends else None
             if lends:
@@ -232,8 +232,8 @@ class Workspace:
             if len(self.scores) > 1:
                 raise RuntimeError("trust_scope='global' ranks all coordinates together and needs every "
                                    "parameter with a gradient on one device; use trust_scope='tensor'")
-            return [(TopKSelector(scores, [0, scores.numel()], self.scratch.get(device), cuda_graph, self.compiled), [groups[0]])
-                    for device, scores in self.scores.items()]
+            return [(TopKSelector(scores, [0, scores.numel()], self.scratch.get(device), cuda_graph, self.compiled),
+                     [groups[0]]) for device, scores in self.scores.items()]
         selections = []
         for device, runs in self.scored.items():
             bounds, owners = [0], []

@@ -24,7 +24,7 @@ of segments:
   scores a pass, no atomic addition and no scratch.
 
 The two device engines run the same way (:class:`_DeviceEngine`): launched at the first
-selection, then on CUDA captured as one CUDA graph and replayed.
+selection, then, on CUDA with ``cuda_graph``, captured as one CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -81,11 +81,25 @@ def _select_on_host(device: torch.device) -> bool:
     return device.type == "cpu" and np is not None
 
 
-def counts_compiled(device: torch.device, dtype: torch.dtype, compiled: bool) -> bool:
-    """Whether a selection of ``dtype`` scores on ``device`` runs the compiled counting engine
-    (:class:`_CountSelect`, asked for with ``compiled``; float32 scores off the host), which
-    needs no integer scratch."""
-    return compiled and dtype == torch.float32 and not _select_on_host(device)
+def counts_compiled(device: torch.device, dtype: torch.dtype, numel: int, compiled: bool) -> bool:
+    """Whether a selection of ``numel`` scores of ``dtype`` on ``device`` runs the compiled
+    counting engine (:class:`_CountSelect`, asked for with ``compiled``; float32 scores off the
+    host, fewer than 2^31 of them, torch.compile not failed in this process), which needs no
+    integer scratch."""
+    return (compiled and dtype == torch.float32 and numel < 1 << 31 and not _select_on_host(device)
+            and not _compile_failures)
+
+
+# torch.compile's failures for compile=True in this process: after the first, every compiled
+# pass of FedACTAdamW runs its eager operations (kernels.py) and every selection the radix select
+_compile_failures: list[BaseException] = []
+
+
+def compile_failed(exc: BaseException) -> bool:
+    """Record that torch.compile failed for ``compile=True``; True at the first failure of the
+    process, whose caller warns (once for all of them)."""
+    _compile_failures.append(exc)
+    return len(_compile_failures) == 1
 
 
 class TopKSelector:
@@ -112,7 +126,7 @@ class TopKSelector:
         if self.on_host:
             self.draws = [0] * (len(self.bounds) - 1)  # samples drawn per segment; a miss draws anew
             self.samples = [self.draw_sample(j) for j in range(len(self.draws))]
-        elif counts_compiled(scores.device, scores.dtype, compiled):
+        elif counts_compiled(scores.device, scores.dtype, scores.numel(), compiled):
             self.device_engine: _DeviceEngine = _CountSelect(scores, self.bounds, cuda_graph)
         else:
             self.device_engine = _RadixSelect(scores, self.bounds, scratch, cuda_graph)
@@ -143,13 +157,12 @@ class TopKSelector:
             try:
                 engine.indicator_(ks)
             except _CompileFailed as err:  # at the first selection, before any score was written
-                if engine._loaded:
-                    raise
-                # stacklevel: the caller of FedACTAdamW.step(), past this method, _modulate,
-                # fedact_step, _step, step and its two torch wrappers
-                warnings.warn(f"FedACTAdamW(compile=True): the counting selection could not be compiled ({err}); "
-                              f"the radix select runs instead, with an integer scratch of its own",
-                              RuntimeWarning, stacklevel=8)
+                if compile_failed(err.__cause__ or err):
+                    # stacklevel: the caller of FedACTAdamW.step(), past this method, _modulate,
+                    # fedact_step, _step, step and its two torch wrappers (a test checks it)
+                    warnings.warn(f"FedACTAdamW(compile=True): the counting selection could not be compiled "
+                                  f"({err}); the radix select runs instead, with an integer scratch of its own",
+                                  RuntimeWarning, stacklevel=8)
                 self.device_engine = _RadixSelect(self.scores, self.bounds, None, engine.cuda_graph)
                 self.device_engine.indicator_(ks)
             return
@@ -552,7 +565,7 @@ class _CountSelect(_DeviceEngine):
     k_j - #{key > T_j}`` (:func:`_position_pass`), and the last pass writes the indicator of
     ``key > T_j or (key == T_j and position <= cut_j)`` into the scores (:func:`_indicator`):
     11 passes for the keys' 32 bits, ``ceil(log2(d) / 3)`` for the positions (8 up to 16.7 M
-    scores), each one read of the scores.
+    scores), each one read of the scores, and the indicator's read and write.
 
     A pass reads the scores in rows of at most ``_COUNT_ROW`` (255) that never straddle a
     segment, so a row's segment and prefix are loaded once. Every score gets a level, the number
@@ -566,8 +579,8 @@ class _CountSelect(_DeviceEngine):
     The passes are three functions compiled for this engine's layout, at its first selection;
     where compilation fails that selection raises :class:`_CompileFailed` before any score is
     written (:class:`TopKSelector` then runs the radix select). Memory: the rows' tables (16
-    bytes a row, 0.06 bytes a score) and, within a pass, the rows' sums and counts (under 0.25
-    bytes a score).
+    bytes a row, 0.06 bytes a score) and, within a pass, the rows' sums and counts (at most 64
+    bytes a row, 0.25 bytes a score).
     ``cuda_graph``: as :class:`_DeviceEngine` says.
     """
 
@@ -615,16 +628,22 @@ _COUNT_ROW = 255  # scores a row: its seven 8-bit counters cannot carry
 def _compiled_copy(fn: Callable) -> Callable:
     """``torch.compile(fn)`` of a copy of ``fn`` with a code object of its own, compiled at its
     first call: torch._dynamo keeps at most ``recompile_limit`` (8) graphs per code object, and
-    one process may select over more layouts than that (a benchmark, a test run). A call whose
-    compilation fails raises :class:`_CompileFailed`."""
+    one process may select over more layouts than that (a benchmark, a test run). An error of
+    the first call (the compilation's) is raised as :class:`_CompileFailed`, later ones as
+    they are."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     compiled = torch.compile(own, dynamic=False, fullgraph=True)
+    ran = []
 
     def call(*args):
-        try:
+        if ran:
             return compiled(*args)
+        try:
+            result = compiled(*args)
         except Exception as exc:  # noqa: BLE001 - whatever the compiler raised
             raise _CompileFailed(f"{type(exc).__name__}: {exc}") from exc
+        ran.append(True)
+        return result
 
     return call
 
@@ -644,7 +663,8 @@ def _segment_of(position: Tensor, ends: Tensor) -> Tensor:
 def _order_keys(scores: Tensor) -> Tensor:
     """float32 scores as int32 keys in the same order (-0.0 equal to +0.0): the bits of a score
     >= 0, and those of a negative score with every bit but the sign flipped."""
-    bits = torch.where(scores == 0, torch.zeros_like(scores), scores).view(torch.int32)
+    bits = scores.view(torch.int32)
+    bits = torch.where(bits == -(1 << 31), 0, bits)  # -0.0 is the sign bit alone
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
@@ -675,13 +695,11 @@ def _value_pass(scores: Tensor, value: Tensor, ks: Tensor, shift: Tensor, starts
                 segment: Tensor, first_rows: Tensor) -> Tensor:
     """The next ``_COUNT_BITS`` bits of every T_j: ``value`` plus the largest ``t 2^shift`` with
     ``#{key >= value + t 2^shift} >= k_j`` (t = 0 when none). A key's level is the number of
-    candidates it reaches, ``min(7, (key >> shift) - (value >> shift))`` where that is >= 0 (a
-    difference past int32's range is past 7 too)."""
+    candidates it reaches, ``(key >> shift) - (value >> shift)`` clamped to 0 .. 7 (value's bits
+    below ``shift + 3`` are 0, so that is ``floor((key - value) / 2^shift)``)."""
     key, _, valid = _row_keys(scores, starts, lengths)
-    above = (value >> shift).to(torch.int32)[segment][:, None]
-    a = key >> shift
-    steps = a - above
-    level = torch.where(a >= above, torch.where((steps < 0) | (steps > 7), 7, steps), 0)
+    # in int64: at shift 0 the difference of two int32 can pass int32's range
+    level = ((key >> shift).to(torch.int64) - (value >> shift)[segment][:, None]).clamp(0, 7).to(torch.int32)
     counts = _at_least(level, valid, segment, first_rows)
     return value + (counts >= ks[:, None]).sum(1) * (1 << shift.to(torch.int64))
 
