@@ -62,12 +62,12 @@ for name in "${@:-optim server}"; do
         case $one in
         optim)
             step optim-tests 120 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
-                tests/test_optim_topk.py tests/test_compile_model.py -k "cuda and not compiled and not counting"
+                tests/test_optim_topk.py tests/test_compile_model.py -k "cuda and not compiled_steps and not counting"
             step bench-optimizer 150 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 \
                 --profile 20 ;;
         optim-compiled)  # compile=True: the compiled passes and the counting selection (topk._CountSelect)
             step optim-compiled-tests 200 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
-                tests/test_optim_topk.py -k "cuda and (compiled or counting)"
+                tests/test_optim_topk.py -k "cuda and (compiled_steps or counting)"
             step bench-optimizer-compiled 240 python3 scripts/bench_optimizer.py --device cuda --compile \
                 --repeats 50 --train-repeats 20 --profile 20 ;;
         server)
