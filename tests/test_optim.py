@@ -1091,30 +1091,41 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-@pytest.mark.parametrize("fused", [None, False])
-def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope, fused):
-    """The CUDA path (the radix select and its tie-break on the device; torch's fused kernels
-    by default, the eager operations with fused=False) against the float64 reference
-    loop on the CPU, with 30 % zero gradients (ties at the threshold); every step runs under
-    torch.cuda.set_sync_debug_mode("error"), which raises at a host sync."""
-    kw = {**BASE, "trust_scope": trust_scope, "fused": fused}
-    params = make_params()
+@pytest.mark.parametrize("path", ["fused", "unfused", "compiled_steps"])
+def test_cuda_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope, path):
+    """The CUDA path against the float64 reference loop on the CPU, with 30 % zero gradients (ties
+    at the threshold): the radix select and its tie-break on the device with torch's fused
+    kernels (the default) or the eager operations (fused=False), and with compile=True
+    (float32, the compiled passes' tolerance) the compiled passes and the counting selection,
+    captured as a CUDA graph at the second step. Every step runs under
+    torch.cuda.set_sync_debug_mode("error"), which raises at a host sync; with compile=True
+    every step after the first, which compiles (and may time kernels)."""
+    compiled = path == "compiled_steps"
+    kw = {**BASE, "trust_scope": trust_scope, "fused": False if path == "unfused" else None, "compile": compiled}
+    params = make_params(dtype=torch.float32 if compiled else torch.float64)
     ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
     on_gpu = [p.detach().cuda().requires_grad_() for p in params]
     opt = FedACTAdamW(on_gpu, **kw)
+    first = True
     for v_bar, delta_g, gs, grads in make_rounds(params, global_steps=[0, 7], zero_frac=0.3):
         opt.begin_round(v_bar=[t.cuda() for t in v_bar], delta_g=[t.cuda() for t in delta_g], global_step=gs)
         ref.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
         for step_grads in grads:
             for p, g in zip(on_gpu, step_grads):
                 p.grad = g.cuda()
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode("default" if compiled and first else "error")
             try:
                 opt.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            first = False
             ref.step(step_grads)
-    assert_matches([p.cpu() for p in on_gpu], ref)
+    if compiled:
+        ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
+        assert type(selector.device_engine) is topk._CountSelect and selector.device_engine._graph is not None
+        assert_matches([p.cpu() for p in on_gpu], ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert_matches([p.cpu() for p in on_gpu], ref)
 
 
 @needs_cuda
@@ -1166,38 +1177,6 @@ def test_cuda_fused_kernels_are_the_default(monkeypatch):
             p.grad = torch.randn_like(p)
         FedACTAdamW(params, **BASE, fused=fused).step()
         assert calls == {"_fused_adamw_": expected, "_fused_sgd_": expected}, fused
-
-
-@needs_cuda
-@pytest.mark.parametrize("trust_scope", ["global", "tensor"])
-def test_cuda_compiled_steps_follow_the_reference_and_never_wait_for_the_device(trust_scope):
-    """compile=True on CUDA: the compiled passes and the compiled counting selection, captured as
-    a CUDA graph at the second step and replayed after, against the float64 reference loop on
-    the CPU (float32, the compiled passes' tolerance), with 30 % zero gradients (ties at the
-    threshold). Every step after the first (which compiles, and may time kernels) runs under
-    torch.cuda.set_sync_debug_mode("error")."""
-    kw = {**BASE, "trust_scope": trust_scope, "compile": True}
-    params = make_params(dtype=torch.float32)
-    ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
-    on_gpu = [p.detach().cuda().requires_grad_() for p in params]
-    opt = FedACTAdamW(on_gpu, **kw)
-    first = True
-    for v_bar, delta_g, gs, grads in make_rounds(params, global_steps=[0, 7], zero_frac=0.3):
-        opt.begin_round(v_bar=[t.cuda() for t in v_bar], delta_g=[t.cuda() for t in delta_g], global_step=gs)
-        ref.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
-        for step_grads in grads:
-            for p, g in zip(on_gpu, step_grads):
-                p.grad = g.cuda()
-            torch.cuda.set_sync_debug_mode("default" if first else "error")
-            try:
-                opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            first = False
-            ref.step(step_grads)
-    ((selector, _),) = opt._workspace.selections(opt.param_groups, opt.cuda_graph)
-    assert type(selector.device_engine) is topk._CountSelect and selector.device_engine._graph is not None
-    assert_matches([p.cpu() for p in on_gpu], ref, rtol=1e-5, atol=1e-6)
 
 
 @needs_cuda

@@ -129,9 +129,9 @@ def test_counting_selection_is_exact_in_every_segment(sizes, monkeypatch):
     assert _graphs_compiled() - before == 3  # value, position and indicator passes, once each
 
 
-def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_select(monkeypatch):
-    """Where torch.compile fails, the first selection warns and the radix select (with a scratch of
-    its own) does it and every later one, exactly; no score was written by the failed attempt."""
+def _without_torch_compile(monkeypatch):
+    """numpy hidden (the device engines, as on CUDA) and torch.compile failing at every call, with
+    no failure recorded before."""
     def broken(fn, **kwargs):
         def call(*args):
             raise RuntimeError("no Triton here")
@@ -140,6 +140,12 @@ def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_se
     monkeypatch.setattr(topk, "np", None)
     monkeypatch.setattr(topk, "_compile_failures", [])
     monkeypatch.setattr(topk.torch, "compile", broken)
+
+
+def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_select(monkeypatch):
+    """Where torch.compile fails, the first selection warns and the radix select (with a scratch of
+    its own) does it and every later one, exactly; no score was written by the failed attempt."""
+    _without_torch_compile(monkeypatch)
     gen = torch.Generator().manual_seed(8)
     bounds, ks = [0, 300, 1000], [100, 699]
     selector = _counting_selector(torch.empty(1000), bounds)
@@ -160,14 +166,7 @@ def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_se
 def test_a_counting_selection_that_cannot_compile_warns_at_the_line_that_called_step(monkeypatch):
     """The fallback's warning names the caller of FedACTAdamW.step() (here the compiled passes
     run eagerly, so the selection's failure is the process's first)."""
-    def broken(fn, **kwargs):
-        def call(*args):
-            raise RuntimeError("no Triton here")
-        return call
-
-    monkeypatch.setattr(topk, "np", None)
-    monkeypatch.setattr(topk, "_compile_failures", [])
-    monkeypatch.setattr(topk.torch, "compile", broken)
+    _without_torch_compile(monkeypatch)
     monkeypatch.setattr(kernels, "_direction_compiled", lambda run, sqrt_bias2, local_scale: False)
     params = [torch.randn(40, requires_grad=True), torch.randn(3, 5, requires_grad=True)]
     opt = FedACTAdamW(params, lr=1e-2, compile=True)
