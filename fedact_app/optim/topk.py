@@ -571,16 +571,17 @@ class _CountSelect(_DeviceEngine):
     segment, so a row's segment and prefix are loaded once. Every score gets a level, the number
     of candidates it reaches (0 .. 7), and a row sums ``2^(8 (level - 1))`` over its scores in
     one int64: seven 8-bit counters that cannot carry, about twenty integer instructions a score
-    where a compare per candidate would take three times as many. A running sum over the rows,
-    taken at the segments' first rows, gives every segment's counts. Where atomic additions into
-    a few hot counters queue (the radix select's histograms, docs/PERFORMANCE.md), these sums do
-    not contend, and the work does not depend on the number of segments.
+    where a compare per candidate would take three times as many. Each segment then sums its
+    rows' counters (:func:`_at_least`), with no scan over the rows: on the CPU inductor makes
+    each pass one kernel. Where atomic additions into a few hot counters queue (the radix
+    select's histograms, docs/PERFORMANCE.md), these sums do not contend, and the work does not
+    depend on the number of segments.
 
     The passes are three functions compiled for this engine's layout, at its first selection;
     where compilation fails that selection raises :class:`_CompileFailed` before any score is
     written (:class:`TopKSelector` then runs the radix select). Memory: the rows' tables (16
-    bytes a row, 0.06 bytes a score) and, within a pass, the rows' sums and counts (at most 64
-    bytes a row, 0.25 bytes a score).
+    bytes a row, 0.06 bytes a score) and, within a pass, the rows' sums (8 bytes a row) and each
+    segment's rows (8 bytes a row of the longest segment, times the segments).
     ``cuda_graph``: as :class:`_DeviceEngine` says.
     """
 
@@ -594,14 +595,15 @@ class _CountSelect(_DeviceEngine):
             starts += range(a, b, _COUNT_ROW)
             lengths += [min(_COUNT_ROW, b - s) for s in range(a, b, _COUNT_ROW)]
             first_rows.append(len(starts))
-        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(first_rows).diff())
+        per_segment = torch.tensor(first_rows).diff()  # rows a segment
+        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), per_segment)  # a row's segment
+        rows = (torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), segment,
+                torch.tensor(first_rows[:-1]), per_segment)
+        self.rows = tuple(_to_device(t, device) for t in rows) + (max(1, max(per_segment.tolist())),)
         # a position's segment, for the indicator: the number of segment ends <= it, by a binary
         # search over the ends padded with d to a power of two (every probe then in range)
         ends = torch.full((1 << len(bounds).bit_length(),), d, dtype=torch.int32)
         ends[:len(bounds) - 1] = torch.tensor(bounds[1:])
-        rows = (torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), segment,
-                torch.tensor(first_rows))
-        self.rows = tuple(_to_device(t, device) for t in rows)
         self.ends = _to_device(ends, device)
         self.value_shifts = list(range(32 - _COUNT_BITS, -1, -_COUNT_BITS)) + [0]  # 29, 26, ..., 2, 0
         position_bits = _COUNT_BITS * -(-max(1, (d - 1).bit_length()) // _COUNT_BITS)
@@ -677,22 +679,25 @@ def _row_keys(scores: Tensor, starts: Tensor, lengths: Tensor) -> tuple[Tensor, 
     return _order_keys(scores[position]), position, valid
 
 
-def _at_least(level: Tensor, valid: Tensor, segment: Tensor, first_rows: Tensor) -> Tensor:
+def _at_least(level: Tensor, valid: Tensor, first_row: Tensor, rows: Tensor, most_rows: int) -> Tensor:
     """``counts[j, l - 1] = #{scores of segment j with level >= l}`` for l = 1 .. 7, from the
-    levels (0 .. 7) of the rows' scores: a row's levels summed as seven 8-bit counters in one
-    int64, those counters summed over each segment's rows."""
+    levels (0 .. 7) of the rows' scores. A score adds 1 to the counter of its level, one of seven
+    8-bit counters packed in one int64; a row's sum keeps them apart (at most 255 a counter), and
+    a segment sums, over its ``rows[j]`` rows from ``first_row[j]`` (at most ``most_rows``), the
+    counts at or above each level."""
     field = torch.ones_like(level, dtype=torch.int64) << (8 * (level - 1)).clamp(min=0)  # no negative shift
-    packed = torch.where(valid & (level > 0), field, 0)
-    per_row = packed.sum(1)
-    fields = 8 * torch.arange(7, device=level.device)
-    counts = ((per_row[:, None] >> fields) & 255).to(torch.int32)       # rows x 7: #{level == l}
-    running = torch.cat((torch.zeros_like(counts[:1]), counts.cumsum(0, dtype=torch.int32)))
-    per_segment = running[first_rows[1:]] - running[first_rows[:-1]]   # segments x 7
-    return per_segment.flip(1).cumsum(1, dtype=torch.int32).flip(1)    # #{level >= l}
+    per_row = torch.where(valid & (level > 0), field, 0).sum(1)
+    i = torch.arange(most_rows, device=level.device)
+    of_segment = torch.where(i < rows[:, None], per_row[(first_row[:, None] + i).clamp(max=per_row.numel() - 1)], 0)
+    counts, at_least = [], 0
+    for f in reversed(range(7)):  # level f + 1
+        at_least = at_least + ((of_segment >> (8 * f)) & 255)
+        counts.append(at_least.sum(1, dtype=torch.int32))
+    return torch.stack(counts[::-1], 1)
 
 
 def _value_pass(scores: Tensor, value: Tensor, ks: Tensor, shift: Tensor, starts: Tensor, lengths: Tensor,
-                segment: Tensor, first_rows: Tensor) -> Tensor:
+                segment: Tensor, *counting: Tensor | int) -> Tensor:
     """The next ``_COUNT_BITS`` bits of every T_j: ``value`` plus the largest ``t 2^shift`` with
     ``#{key >= value + t 2^shift} >= k_j`` (t = 0 when none). A key's level is the number of
     candidates it reaches, ``(key >> shift) - (value >> shift)`` clamped to 0 .. 7 (value's bits
@@ -700,12 +705,12 @@ def _value_pass(scores: Tensor, value: Tensor, ks: Tensor, shift: Tensor, starts
     key, _, valid = _row_keys(scores, starts, lengths)
     # in int64: at shift 0 the difference of two int32 can pass int32's range
     level = ((key >> shift).to(torch.int64) - (value >> shift)[segment][:, None]).clamp(0, 7).to(torch.int32)
-    counts = _at_least(level, valid, segment, first_rows)
+    counts = _at_least(level, valid, *counting)
     return value + (counts >= ks[:, None]).sum(1) * (1 << shift.to(torch.int64))
 
 
 def _position_pass(scores: Tensor, value: Tensor, cut: Tensor, ks: Tensor, shift: Tensor, starts: Tensor,
-                   lengths: Tensor, segment: Tensor, first_rows: Tensor) -> Tensor:
+                   lengths: Tensor, segment: Tensor, *counting: Tensor | int) -> Tensor:
     """The next ``_COUNT_BITS`` bits of every segment's last tie position: ``cut`` plus the largest
     ``t 2^shift`` with ``#{key > T_j} + #{key == T_j, position < cut + t 2^shift} < k_j``. A key
     above T_j reaches every candidate, one equal to it those with ``t > (position >> shift) -
@@ -714,7 +719,7 @@ def _position_pass(scores: Tensor, value: Tensor, cut: Tensor, ks: Tensor, shift
     t_row = value.clamp(max=(1 << 31) - 1).to(torch.int32)[segment][:, None]
     before = (position >> shift) - (cut >> shift).to(torch.int32)[segment][:, None]
     level = torch.where(key > t_row, 7, torch.where(key == t_row, (7 - before).clamp(0, 7), 0))
-    counts = _at_least(level, valid, segment, first_rows).flip(1)  # candidate t reached at level >= 8 - t
+    counts = _at_least(level, valid, *counting).flip(1)  # candidate t reached at level >= 8 - t
     return cut + (counts < ks[:, None]).sum(1) * (1 << shift.to(torch.int64))
 
 
