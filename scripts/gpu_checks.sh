@@ -15,7 +15,7 @@
 # Steps (docs/PERFORMANCE.md says what each one measures and its targets):
 #   optim           the optimizer's CUDA tests, then bench_optimizer.py on CUDA, with a kernel profile per scope
 #   optim-compiled  the same for compile=True (the compiled passes and the counting selection), beside the
-#                   defaults in one benchmark run: at most 8 minutes (each layout compiles at its first step)
+#                   defaults in one benchmark run: at most 9 minutes (each layout compiles at its first step)
 #   server          the server round's tests (their cuda case), then bench_server.py on CUDA
 #   round           bench_round.py --paper: the seed's round, GPU busy share, 300-round projection
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
@@ -66,7 +66,7 @@ for name in "${@:-optim server}"; do
             step bench-optimizer 150 python3 scripts/bench_optimizer.py --device cuda --repeats 50 --train-repeats 20 \
                 --profile 20 ;;
         optim-compiled)  # compile=True: the compiled passes and the counting selection (topk._CountSelect)
-            step optim-compiled-tests 200 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
+            step optim-compiled-tests 300 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_optim.py \
                 tests/test_optim_topk.py -k "cuda and (compiled_steps or counting)"
             step bench-optimizer-compiled 240 python3 scripts/bench_optimizer.py --device cuda --compile \
                 --repeats 50 --train-repeats 20 --profile 20 ;;

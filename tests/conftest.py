@@ -159,3 +159,18 @@ def fake_engine(monkeypatch):
         return engine
 
     return install
+
+
+@pytest.fixture
+def no_torch_compile(monkeypatch):
+    """torch.compile failing at every call (as where no compiler or Triton is installed), with no
+    failure of it recorded before in this process (fedact_app.optim.topk.compile_failed)."""
+    import fedact_app.optim.topk as topk
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no compiler here")
+        return call
+
+    monkeypatch.setattr(topk, "_compile_failures", [])
+    monkeypatch.setattr(topk.torch, "compile", broken)

@@ -918,29 +918,21 @@ def test_compiled_step_with_the_counting_selection_matches_reference(trust_scope
 
 
 @pytest.mark.parametrize("engine", ["numpy", "counting"])
-def test_compile_failure_falls_back_to_eager_with_one_warning(engine, monkeypatch):
+def test_compile_failure_falls_back_to_eager_with_one_warning(engine, no_torch_compile, monkeypatch):
     """torch.compile failing: one warning for the process, whatever failed (the compiled passes,
     and with numpy hidden the counting selection too), and the steps of compile=False: bit for
     bit with numpy's selection; with the radix select in its own scratch instead of the
     direction's, u is not computed again after the selection, and the steps follow the
     reference."""
-    def broken(fn, **kwargs):
-        def call(*args):
-            raise RuntimeError("no C++ compiler here")
-        return call
-
     if engine == "counting":
         monkeypatch.setattr(topk, "np", None)
-    monkeypatch.setattr(kernels, "_COMPILED", {})
-    monkeypatch.setattr(topk, "_compile_failures", [])
-    monkeypatch.setattr(kernels.torch, "compile", broken)
     results = []
     for compile_ in (True, False):
         params = make_params(dtype=torch.float32)
         rounds = make_rounds(params)
         if compile_:
             ref = Reference(params, hyper_of(BASE, len(params)), **trust_of(BASE))
-            with pytest.warns(RuntimeWarning, match="torch.compile failed.*no C\\+\\+ compiler") as record:
+            with pytest.warns(RuntimeWarning, match="torch.compile failed.*no compiler here") as record:
                 drive(FedACTAdamW(params, **BASE, compile=True), params, ref, rounds)
             assert len(record) == 1
             assert_matches(params, ref, rtol=1e-5, atol=1e-6)
@@ -1053,15 +1045,16 @@ def test_tensor_scope_runs_at_most_one_and_a_half_times_the_operations_of_the_gl
     ("counting", "global", 0.7), ("counting", "tensor", 0.0)])
 def test_a_step_after_the_first_allocates_less_than_half_d_bytes(engine, trust_scope, zero_frac, monkeypatch):
     """After the first step (layout, state, scratch) a step allocates less than d/2 bytes at its
-    peak, numpy's selection included: no d-sized temporary, not even a bool one. With 70 % zero
-    gradients the threshold sits in a tie of millions of zeros, which the numpy engine counts
-    instead of extracting."""
+    peak, numpy's selection included: no d-sized temporary, not even a bool one; the counting
+    engine less than d/8. With 70 % zero gradients the threshold sits in a tie of millions of
+    zeros, which the numpy engine counts instead of extracting."""
     opt, params, new_gradients = large_optimizer(engine, trust_scope, monkeypatch, zero_frac)
+    bound = LARGE_D // 8 if engine == "counting" else LARGE_D // 2  # the counting passes' sums: 0.03 d
     for step in range(3):
         new_gradients()
         peak, torch_peak, numpy_peak = peak_bytes_allocated(opt.step)
         if step > 0:
-            assert peak < LARGE_D // 2, (step, f"torch {torch_peak}", f"numpy {numpy_peak}")
+            assert peak < bound, (step, f"torch {torch_peak}", f"numpy {numpy_peak}")
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -1184,7 +1177,7 @@ def test_cuda_fused_kernels_are_the_default(monkeypatch):
 def test_cuda_step_allocates_nothing_d_sized_after_the_first(compile_):
     """After the first step (state and scratch), a step allocates less than d/2 bytes at its
     peak (d = 2^22 + 1000): no d-sized temporary, not even a bool one; with compile=True too
-    (the counting selection's row tables and sums: about 0.3 bytes a score)."""
+    (the counting selection's sums in a pass: about 0.03 bytes a score)."""
     params = [torch.randn(2048, 2048, device="cuda", requires_grad=True),
               torch.randn(1000, device="cuda", requires_grad=True)]
     opt = FedACTAdamW(params, **{**BASE, "tau": 0.3, "compile": compile_})

@@ -93,8 +93,9 @@ def _graphs_compiled():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("sizes", [[0, 5, 37, 0, 1, 300], [17, 2040, 47_952, 1, 19_999], [(1 << 17) + 3]],
-                         ids=["short-rows", "whole-and-short-rows", "one-segment"])
+@pytest.mark.parametrize("sizes", [[0, 5, 37, 0, 1, 300], [0, 0, 600, 0], [17, 2040, 47_952, 1, 19_999],
+                                   [(1 << 17) + 3]],
+                         ids=["short-rows", "one-not-empty", "whole-and-short-rows", "one-segment-of-chunks"])
 def test_counting_selection_is_exact_in_every_segment(sizes, monkeypatch):
     """The compiled counting engine (compile=True off the host): every segment j gets exactly its
     k_j largest, ties to its lowest index, as a stable sort of that segment alone, for scores
@@ -129,23 +130,10 @@ def test_counting_selection_is_exact_in_every_segment(sizes, monkeypatch):
     assert _graphs_compiled() - before == 3  # value, position and indicator passes, once each
 
 
-def _without_torch_compile(monkeypatch):
-    """numpy hidden (the device engines, as on CUDA) and torch.compile failing at every call, with
-    no failure recorded before."""
-    def broken(fn, **kwargs):
-        def call(*args):
-            raise RuntimeError("no Triton here")
-        return call
-
-    monkeypatch.setattr(topk, "np", None)
-    monkeypatch.setattr(topk, "_compile_failures", [])
-    monkeypatch.setattr(topk.torch, "compile", broken)
-
-
-def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_select(monkeypatch):
+def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_select(no_torch_compile, monkeypatch):
     """Where torch.compile fails, the first selection warns and the radix select (with a scratch of
     its own) does it and every later one, exactly; no score was written by the failed attempt."""
-    _without_torch_compile(monkeypatch)
+    monkeypatch.setattr(topk, "np", None)
     gen = torch.Generator().manual_seed(8)
     bounds, ks = [0, 300, 1000], [100, 699]
     selector = _counting_selector(torch.empty(1000), bounds)
@@ -156,17 +144,18 @@ def test_counting_selection_that_cannot_compile_warns_once_and_runs_the_radix_se
             warnings.simplefilter("always")
             selector.indicator_(ks)
         assert [str(w.message) for w in record if "could not be compiled" in str(w.message)] == (
-            ["FedACTAdamW(compile=True): the counting selection could not be compiled (RuntimeError: no Triton "
+            ["FedACTAdamW(compile=True): the counting selection could not be compiled (RuntimeError: no compiler "
              "here); the radix select runs instead, with an integer scratch of its own"] if step == 0 else [])
         assert type(selector.device_engine) is topk._RadixSelect
         expected = torch.cat([_stable_top_k(s[a:b], k) for a, b, k in zip(bounds, bounds[1:], ks)])
         assert torch.equal(selector.scores, expected)
 
 
-def test_a_counting_selection_that_cannot_compile_warns_at_the_line_that_called_step(monkeypatch):
+def test_a_counting_selection_that_cannot_compile_warns_at_the_line_that_called_step(no_torch_compile,
+                                                                                      monkeypatch):
     """The fallback's warning names the caller of FedACTAdamW.step() (here the compiled passes
     run eagerly, so the selection's failure is the process's first)."""
-    _without_torch_compile(monkeypatch)
+    monkeypatch.setattr(topk, "np", None)
     monkeypatch.setattr(kernels, "_direction_compiled", lambda run, sqrt_bias2, local_scale: False)
     params = [torch.randn(40, requires_grad=True), torch.randn(3, 5, requires_grad=True)]
     opt = FedACTAdamW(params, lr=1e-2, compile=True)

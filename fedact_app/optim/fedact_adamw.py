@@ -111,11 +111,12 @@ class FedACTAdamW(LazyDynamoOptimizer):
             ``RuntimeWarning`` says so, once per reason.
         compile: m, v, u and s as one ``torch.compile``-d pass, and (one global threshold, no
             tie) the comparison with phi as another (float32/float64 parameters). Off the host
-            (CUDA) the exact selection of float32 scores also runs compiled: by counting, a few
-            fused kernels a pass instead of the radix select's histograms, and without its
-            scratch (:class:`fedact_app.optim.topk._CountSelect`). Compiled once per layout and
-            process, at the first step. When compilation fails it warns once and uses the eager
-            operations (the radix select for the selection).
+            (CUDA) the exact selection of float32 scores also runs compiled: by counting, one
+            read of the scores a pass and no atomic addition, instead of the radix select's
+            histograms, and without its scratch (:class:`fedact_app.optim.topk._CountSelect`).
+            Compiled once per layout and process, at the first step. When compilation fails it
+            warns once for the process and uses the eager operations (the radix select for the
+            selection).
         cuda_graph: on CUDA, the exact selection's operations (about 140 small kernels) are
             captured as one CUDA graph at the second step of a layout and replayed at every
             later step, one launch instead of 140; the same kernels, so the same result bit for

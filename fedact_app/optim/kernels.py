@@ -150,9 +150,6 @@ def _direction_pass(g: Tensor, m: Tensor, v: Tensor, delta_g: Optional[Tensor], 
     u.copy_(direction)
 
 
-_COMPILED: dict[str, object] = {}
-
-
 def _constants(values: list[float], like: Tensor) -> Tensor:
     """Scalars as a tensor on ``like``'s device (a compiled kernel then needs no recompilation
     when they change); off CPU copied from pinned memory, which does not wait for the device."""
@@ -160,20 +157,21 @@ def _constants(values: list[float], like: Tensor) -> Tensor:
     return c if like.device.type == "cpu" else c.pin_memory().to(like.device, non_blocking=True)
 
 
-def _run_compiled(name: str, fn: Callable, *args) -> bool:
-    """``torch.compile(fn)(*args)``, compiled once per process; False (for good, after one
+def _run_compiled(run: Run, name: str, fn: Callable, *args) -> bool:
+    """``fn(*args)`` compiled for ``run``'s layout (:func:`fedact_app.optim.topk.compiled_copy`:
+    a code object per layout, so a process may step many layouts); False (for good, after one
     warning for the process, :func:`fedact_app.optim.topk.compile_failed`) when torch.compile
     does not work here."""
-    if topk._compile_failures:
+    if topk.compile_disabled():
         return False
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+    if name not in run.compiled:
+        run.compiled[name] = topk.compiled_copy(fn)
     try:
-        _COMPILED[name](*args)
-    except Exception as exc:  # noqa: BLE001 - whatever the compiler raised: eager from now on
-        if topk.compile_failed(exc):
-            warnings.warn(f"FedACTAdamW(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
-                          f"using the eager operations", RuntimeWarning, stacklevel=9)  # step()'s caller
+        run.compiled[name](*args)
+    except topk.CompileFailed as err:  # eager from now on
+        if topk.compile_failed(err.__cause__ or err):
+            warnings.warn(f"FedACTAdamW(compile=True): torch.compile failed ({err}); using the eager operations",
+                          RuntimeWarning, stacklevel=9)  # step()'s caller
         return False
     return True
 
@@ -185,7 +183,7 @@ def _direction_compiled(run: Run, sqrt_bias2: float, local_scale: float) -> bool
     ratio = local_scale / run.rho if run.delta_g is not None else 1.0
     c = _constants([1.0 - run.beta1, run.beta2, 1.0 - run.beta2, run.eps * sqrt_bias2, ratio], g)
     torch._foreach_copy_(views, run.grads)
-    return _run_compiled("direction", _direction_pass, g, run.exp_avg, run.exp_avg_sq, run.delta_g,
+    return _run_compiled(run, "direction", _direction_pass, g, run.exp_avg, run.exp_avg_sq, run.delta_g,
                          run.direction, run.scores, c, run.trust_signal == "local")
 
 
@@ -199,7 +197,7 @@ def _phi_compiled(run: Run, threshold: float, alpha_gamma: tuple[float, float]) 
     """Run :func:`_phi_pass` compiled on one run; False when torch.compile does not work here
     (nothing was changed then, and the caller runs the eager operations)."""
     alpha, gamma = alpha_gamma
-    return _run_compiled("phi", _phi_pass, run.scores, run.direction,
+    return _run_compiled(run, "phi", _phi_pass, run.scores, run.direction,
                          _constants([threshold, (alpha - gamma) / gamma], run.scores))
 
 

@@ -20,8 +20,8 @@ of segments:
   of d entries, nothing that waits for the device and no d-sized temporary;
 - there, for float32 scores with ``compiled=True`` (``FedACTAdamW(compile=True)``),
   :class:`_CountSelect`: the threshold and the tie's position found three bits a pass by
-  counting, in passes that ``torch.compile`` makes into a few kernels each, one read of the
-  scores a pass, no atomic addition and no scratch.
+  counting, in passes that ``torch.compile`` fuses, one read of the scores a pass, no atomic
+  addition and no scratch.
 
 The two device engines run the same way (:class:`_DeviceEngine`): launched at the first
 selection, then, on CUDA with ``cuda_graph``, captured as one CUDA graph and replayed.
@@ -87,7 +87,7 @@ def counts_compiled(device: torch.device, dtype: torch.dtype, numel: int, compil
     host, fewer than 2^31 of them, torch.compile not failed in this process), which needs no
     integer scratch."""
     return (compiled and dtype == torch.float32 and numel < 1 << 31 and not _select_on_host(device)
-            and not _compile_failures)
+            and not compile_disabled())
 
 
 # torch.compile's failures for compile=True in this process: after the first, every compiled
@@ -100,6 +100,11 @@ def compile_failed(exc: BaseException) -> bool:
     process, whose caller warns (once for all of them)."""
     _compile_failures.append(exc)
     return len(_compile_failures) == 1
+
+
+def compile_disabled() -> bool:
+    """Whether torch.compile has failed for ``compile=True`` in this process (:func:`compile_failed`)."""
+    return bool(_compile_failures)
 
 
 class TopKSelector:
@@ -156,7 +161,7 @@ class TopKSelector:
             engine = self.device_engine
             try:
                 engine.indicator_(ks)
-            except _CompileFailed as err:  # at the first selection, before any score was written
+            except CompileFailed as err:  # at the first selection, before any score was written
                 if compile_failed(err.__cause__ or err):
                     # stacklevel: the caller of FedACTAdamW.step(), past this method, _modulate,
                     # fedact_step, _step, step and its two torch wrappers (a test checks it)
@@ -546,8 +551,9 @@ class _RadixSelect(_DeviceEngine):
         self.scores.copy_(codes)
 
 
-class _CompileFailed(RuntimeError):
-    """torch.compile could not make the counting engine's kernels here (no compiler, no Triton)."""
+class CompileFailed(RuntimeError):
+    """torch.compile could not make a compiled pass's kernels here (no compiler, no Triton):
+    the first call of :func:`compiled_copy`'s function failed."""
 
 
 class _CountSelect(_DeviceEngine):
@@ -571,19 +577,18 @@ class _CountSelect(_DeviceEngine):
     segment, so a row's segment and prefix are loaded once. Every score gets a level, the number
     of candidates it reaches (0 .. 7), and a row sums ``2^(8 (level - 1))`` over its scores in
     one int64: seven 8-bit counters that cannot carry, about twenty integer instructions a score
-    where a compare per candidate would take three times as many. Each segment then sums its
-    rows' counters (:func:`_at_least`), with no scan over the rows: on the CPU inductor makes
-    each pass one kernel. Where atomic additions into a few hot counters queue (the radix
-    select's histograms, docs/PERFORMANCE.md), these sums do not contend, and the work does not
-    depend on the number of segments.
+    where a compare per candidate would take three times as many. Chunks of at most 64 rows of
+    one segment, then the segments, sum those counters (:func:`_at_least`), with no scan: on the
+    CPU inductor makes each pass one kernel (on CUDA, where a reduction is a kernel of its own,
+    presumably three). Where atomic additions into a few hot counters queue (the radix select's
+    histograms, docs/PERFORMANCE.md), these sums do not contend, and the number of segments
+    changes only the chunks' sums, whose steps stay near the rows' number.
 
     The passes are three functions compiled for this engine's layout, at its first selection;
-    where compilation fails that selection raises :class:`_CompileFailed` before any score is
-    written (:class:`TopKSelector` then runs the radix select). Memory: the rows' tables (16
-    bytes a row, 0.06 bytes a score) and, within a pass, the rows' sums (8 bytes a row). The
-    segments' sums run over as many rows as the longest segment has, for every segment (masked):
-    ``segments x longest / 255`` steps against the pass's d, a few percent for ResNet-18's 62
-    tensors (the longest 21 % of d), more where many segments sit beside one that holds most.
+    where compilation fails that selection raises :class:`CompileFailed` before any score is
+    written (:class:`TopKSelector` then runs the radix select). Memory: the rows' and chunks'
+    tables (16 bytes a row, 0.06 bytes a score) and, within a pass, the rows' sums (8 bytes a
+    row, 0.03 bytes a score) and the chunks' (28 bytes a chunk).
     ``cuda_graph``: as :class:`_DeviceEngine` says.
     """
 
@@ -597,11 +602,17 @@ class _CountSelect(_DeviceEngine):
             starts += range(a, b, _COUNT_ROW)
             lengths += [min(_COUNT_ROW, b - s) for s in range(a, b, _COUNT_ROW)]
             first_rows.append(len(starts))
-        per_segment = torch.tensor(first_rows).diff()  # rows a segment
-        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), per_segment)  # a row's segment
-        rows = (torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), segment,
-                torch.tensor(first_rows[:-1]), per_segment)
-        self.rows = tuple(_to_device(t, device) for t in rows) + (max(1, max(per_segment.tolist())),)
+        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(first_rows).diff())
+        chunk_first, chunk_rows, segment_first = [], [], []
+        for a, b in zip(first_rows, first_rows[1:]):  # a segment's rows a .. b - 1, in chunks
+            segment_first.append(len(chunk_first))
+            chunk_first += range(a, b, _COUNT_CHUNK)
+            chunk_rows += [min(_COUNT_CHUNK, b - r) for r in range(a, b, _COUNT_CHUNK)]
+        segment_chunks = torch.tensor(segment_first + [len(chunk_first)]).diff()
+        tables = (torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), segment,
+                  torch.tensor(chunk_first), torch.tensor(chunk_rows), torch.tensor(segment_first), segment_chunks)
+        # what every pass reads: the rows (start, length, segment), then _at_least's chunks
+        self.row_tables = tuple(_to_device(t, device) for t in tables) + (max([1, *segment_chunks.tolist()]),)
         # a position's segment, for the indicator: the number of segment ends <= it, by a binary
         # search over the ends padded with d to a power of two (every probe then in range)
         ends = torch.full((1 << len(bounds).bit_length(),), d, dtype=torch.int32)
@@ -611,29 +622,30 @@ class _CountSelect(_DeviceEngine):
         position_bits = _COUNT_BITS * -(-max(1, (d - 1).bit_length()) // _COUNT_BITS)
         self.position_shifts = list(range(position_bits - _COUNT_BITS, -1, -_COUNT_BITS))
         self.shift = {s: _on_device([s], torch.int32, device)[0] for s in set(self.value_shifts + self.position_shifts)}
-        self.value_pass, self.position_pass, self.indicator = map(_compiled_copy, (_value_pass, _position_pass,
+        self.value_pass, self.position_pass, self.indicator = map(compiled_copy, (_value_pass, _position_pass,
                                                                                    _indicator))
 
     def _select(self) -> None:
         ks = self._ks[1]
         value = torch.full_like(ks, -(1 << 31))
         for shift in self.value_shifts:
-            value = self.value_pass(self.scores, value, ks, self.shift[shift], *self.rows)
+            value = self.value_pass(self.scores, value, ks, self.shift[shift], *self.row_tables)
         cut = torch.zeros_like(ks)
         for shift in self.position_shifts:
-            cut = self.position_pass(self.scores, value, cut, ks, self.shift[shift], *self.rows)
+            cut = self.position_pass(self.scores, value, cut, ks, self.shift[shift], *self.row_tables)
         self.indicator(self.scores, value, cut, ks, self.ends)
 
 
 _COUNT_BITS = 3  # bits of T found per pass: candidates t = 1 .. 7, a level of 3 bits a score
 _COUNT_ROW = 255  # scores a row: its seven 8-bit counters cannot carry
+_COUNT_CHUNK = 64  # rows a chunk: the segments' sums run over chunks, not rows
 
 
-def _compiled_copy(fn: Callable) -> Callable:
+def compiled_copy(fn: Callable) -> Callable:
     """``torch.compile(fn)`` of a copy of ``fn`` with a code object of its own, compiled at its
     first call: torch._dynamo keeps at most ``recompile_limit`` (8) graphs per code object, and
     one process may select over more layouts than that (a benchmark, a test run). An error of
-    the first call (the compilation's) is raised as :class:`_CompileFailed`, later ones as
+    the first call (the compilation's) is raised as :class:`CompileFailed`, later ones as
     they are."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     compiled = torch.compile(own, dynamic=False, fullgraph=True)
@@ -645,7 +657,7 @@ def _compiled_copy(fn: Callable) -> Callable:
         try:
             result = compiled(*args)
         except Exception as exc:  # noqa: BLE001 - whatever the compiler raised
-            raise _CompileFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise CompileFailed(f"{type(exc).__name__}: {exc}") from exc
         ran.append(True)
         return result
 
@@ -681,21 +693,28 @@ def _row_keys(scores: Tensor, starts: Tensor, lengths: Tensor) -> tuple[Tensor, 
     return _order_keys(scores[position]), position, valid
 
 
-def _at_least(level: Tensor, valid: Tensor, first_row: Tensor, rows: Tensor, most_rows: int) -> Tensor:
+def _at_least(level: Tensor, valid: Tensor, chunk_first: Tensor, chunk_rows: Tensor, segment_first: Tensor,
+              segment_chunks: Tensor, most_chunks: int) -> Tensor:
     """``counts[j, l - 1] = #{scores of segment j with level >= l}`` for l = 1 .. 7, from the
     levels (0 .. 7) of the rows' scores. A score adds 1 to the counter of its level, one of seven
-    8-bit counters packed in one int64; a row's sum keeps them apart (at most 255 a counter), and
-    a segment sums, over its ``rows[j]`` rows from ``first_row[j]`` (at most ``most_rows``), the
-    counts at or above each level."""
+    8-bit counters packed in one int64; a row's sum keeps them apart (at most 255 a counter). A
+    chunk (at most ``_COUNT_CHUNK`` consecutive rows of one segment: ``chunk_rows`` from
+    ``chunk_first``) sums its rows' counts at or above each level, and a segment its chunks
+    (``segment_chunks`` from ``segment_first``, at most ``most_chunks``): two small reductions
+    whose steps stay near the rows' number, however the segments' sizes differ."""
     field = torch.ones_like(level, dtype=torch.int64) << (8 * (level - 1)).clamp(min=0)  # no negative shift
     per_row = torch.where(valid & (level > 0), field, 0).sum(1)
-    i = torch.arange(most_rows, device=level.device)
-    of_segment = torch.where(i < rows[:, None], per_row[(first_row[:, None] + i).clamp(max=per_row.numel() - 1)], 0)
-    counts, at_least = [], 0
+    i = torch.arange(_COUNT_CHUNK, device=level.device)
+    row = (chunk_first[:, None] + i).clamp(max=per_row.numel() - 1)
+    in_chunk = torch.where(i < chunk_rows[:, None], per_row[row], 0)
+    per_chunk, at_least = [], 0
     for f in reversed(range(7)):  # level f + 1
-        at_least = at_least + ((of_segment >> (8 * f)) & 255)
-        counts.append(at_least.sum(1, dtype=torch.int32))
-    return torch.stack(counts[::-1], 1)
+        at_least = at_least + ((in_chunk >> (8 * f)) & 255)
+        per_chunk.append(at_least.sum(1, dtype=torch.int32))
+    per_chunk = torch.stack(per_chunk[::-1], 1)  # chunks x 7
+    j = torch.arange(most_chunks, device=level.device)
+    chunk = (segment_first[:, None] + j).clamp(max=per_chunk.shape[0] - 1)
+    return torch.where((j < segment_chunks[:, None])[..., None], per_chunk[chunk], 0).sum(1, dtype=torch.int32)
 
 
 def _value_pass(scores: Tensor, value: Tensor, ks: Tensor, shift: Tensor, starts: Tensor, lengths: Tensor,
@@ -720,7 +739,7 @@ def _position_pass(scores: Tensor, value: Tensor, cut: Tensor, ks: Tensor, shift
     key, position, valid = _row_keys(scores, starts, lengths)
     t_row = value.clamp(max=(1 << 31) - 1).to(torch.int32)[segment][:, None]
     before = (position >> shift) - (cut >> shift).to(torch.int32)[segment][:, None]
-    level = torch.where(key > t_row, 7, torch.where(key == t_row, (7 - before).clamp(0, 7), 0))
+    level = torch.where(key > t_row, 7, torch.where(key == t_row, 7 - before.clamp(0, 7), 0))
     counts = _at_least(level, valid, *counting).flip(1)  # candidate t reached at level >= 8 - t
     return cut + (counts < ks[:, None]).sum(1) * (1 << shift.to(torch.int64))
 
@@ -731,9 +750,10 @@ def _indicator(scores: Tensor, value: Tensor, cut: Tensor, ks: Tensor, ends: Ten
     position = torch.arange(scores.numel(), dtype=torch.int32, device=scores.device)
     seg = _segment_of(position, ends)
     t = value.clamp(max=(1 << 31) - 1).to(torch.int32)[seg]
-    last = torch.where(ks > 0, cut, -1).clamp(max=scores.numel()).to(torch.int32)[seg]
+    last = torch.where(ks > 0, cut, -1).to(torch.int32)[seg]  # cut < d
     key = _order_keys(scores)
     scores.copy_((key > t) | ((key == t) & (position <= last)))
+
 
 def _captured(fn: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":
     """``fn``'s CUDA operations captured (not run) as one graph, on a side stream that first waits
