@@ -461,8 +461,6 @@ class _RadixSelect(_DeviceEngine):
     ``cuda_graph``: as :class:`_DeviceEngine` says.
     """
 
-    uses_scratch = True
-
     def __init__(self, scores: Tensor, bounds: list[int], scratch: Optional[Tensor], cuda_graph: bool) -> None:
         if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
             raise RuntimeError("the device top-k reads the scores' bytes as little-endian")
@@ -591,8 +589,6 @@ class _CountSelect(_DeviceEngine):
     row, 0.03 bytes a score) and the chunks' (28 bytes a chunk).
     ``cuda_graph``: as :class:`_DeviceEngine` says.
     """
-
-    uses_scratch = False
 
     def __init__(self, scores: Tensor, bounds: list[int], cuda_graph: bool) -> None:
         super().__init__(scores, cuda_graph)
