@@ -593,20 +593,12 @@ class _CountSelect(_DeviceEngine):
     def __init__(self, scores: Tensor, bounds: list[int], cuda_graph: bool) -> None:
         super().__init__(scores, cuda_graph)
         d, device = scores.numel(), scores.device
-        starts, lengths, first_rows = [], [], [0]
-        for a, b in zip(bounds, bounds[1:]):
-            starts += range(a, b, _COUNT_ROW)
-            lengths += [min(_COUNT_ROW, b - s) for s in range(a, b, _COUNT_ROW)]
-            first_rows.append(len(starts))
+        starts, lengths, first_rows = _pieces(bounds, _COUNT_ROW)  # the rows, segment by segment
+        chunk_first, chunk_rows, first_chunks = _pieces(first_rows, _COUNT_CHUNK)  # each segment's rows in chunks
         segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(first_rows).diff())
-        chunk_first, chunk_rows, segment_first = [], [], []
-        for a, b in zip(first_rows, first_rows[1:]):  # a segment's rows a .. b - 1, in chunks
-            segment_first.append(len(chunk_first))
-            chunk_first += range(a, b, _COUNT_CHUNK)
-            chunk_rows += [min(_COUNT_CHUNK, b - r) for r in range(a, b, _COUNT_CHUNK)]
-        segment_chunks = torch.tensor(segment_first + [len(chunk_first)]).diff()
+        segment_chunks = torch.tensor(first_chunks).diff()
         tables = (torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), segment,
-                  torch.tensor(chunk_first), torch.tensor(chunk_rows), torch.tensor(segment_first), segment_chunks)
+                  torch.tensor(chunk_first), torch.tensor(chunk_rows), torch.tensor(first_chunks[:-1]), segment_chunks)
         # what every pass reads: the rows (start, length, segment), then _at_least's chunks
         self.row_tables = tuple(_to_device(t, device) for t in tables) + (max([1, *segment_chunks.tolist()]),)
         # a position's segment, for the indicator: the number of segment ends <= it, by a binary
@@ -635,6 +627,17 @@ class _CountSelect(_DeviceEngine):
 _COUNT_BITS = 3  # bits of T found per pass: candidates t = 1 .. 7, a level of 3 bits a score
 _COUNT_ROW = 255  # scores a row: its seven 8-bit counters cannot carry
 _COUNT_CHUNK = 64  # rows a chunk: the segments' sums run over chunks, not rows
+
+
+def _pieces(bounds: list[int], size: int) -> tuple[list[int], list[int], list[int]]:
+    """Every range ``bounds[j] .. bounds[j + 1]`` cut into pieces of at most ``size``: the pieces'
+    starts and lengths, and the index of each range's first piece (one more entry: their number)."""
+    starts, lengths, firsts = [], [], [0]
+    for a, b in zip(bounds, bounds[1:]):
+        starts += range(a, b, size)
+        lengths += [min(size, b - s) for s in range(a, b, size)]
+        firsts.append(len(starts))
+    return starts, lengths, firsts
 
 
 def compiled_copy(fn: Callable) -> Callable:
