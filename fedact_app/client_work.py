@@ -130,6 +130,7 @@ def kept_state(context: Context, config: ConfigRecord, partition_id: int) -> dic
 
 def train_content(content: RecordDict, context: Context) -> RecordDict:
     """The train handler's work on plain records: one local round, the reply's records."""
+    work_start = time.time()  # the reply's ``work-start``: the client's part of the round's timeline starts
     trainer, partition_id, num_partitions = node_trainer(context)
     config = content["config"]
     inject_fault(trainer.cfg, partition_id, int(config["server-round"]))
@@ -158,7 +159,8 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     partition = {} if DATA_PATH_KEY in context.node_config else {"partition-id": partition_id}
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
                                      "lr-sum": update.lr_sum, "train-loss": result.loss,
-                                     "train-seconds": train_seconds, **partition, **result.diagnostics})
+                                     "train-seconds": train_seconds, "work-start": work_start, **partition,
+                                     **result.diagnostics})
     return reply
 
 

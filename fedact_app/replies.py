@@ -75,7 +75,7 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     each key's entries views into one vector (:func:`read_arrays`; from ``pool`` when given), the
     trainable parameters first.
     Every metric must be a finite number (``train-loss`` included); the client statistics lie
-    in [0, 1] and ``train-seconds`` is >= 0.
+    in [0, 1], and ``train-seconds`` and ``work-start`` (a Unix time) are >= 0.
     """
     for key in ("delta", "metrics", *reply_keys):
         if key not in content:
@@ -87,8 +87,9 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     if not lr_sum > 0:
         raise ReplyError(f"metric 'lr-sum' must be > 0, got {lr_sum!r}")
     number(metrics, "train-loss")
-    if "train-seconds" in metrics and number(metrics, "train-seconds") < 0:
-        raise ReplyError(f"metric 'train-seconds' must be >= 0, got {metrics['train-seconds']!r}")
+    for key in ("train-seconds", "work-start"):
+        if key in metrics and number(metrics, key) < 0:
+            raise ReplyError(f"metric {key!r} must be >= 0, got {metrics[key]!r}")
     for key in CLIENT_METRICS:
         if key in metrics and not 0 <= number(metrics, key) <= 1:
             raise ReplyError(f"metric {key!r} must lie in [0, 1], got {metrics[key]!r}")
@@ -305,6 +306,8 @@ class Accepted:
     node: int
     update: ClientUpdate
     metrics: dict
+    replied: float  # the reply's created_at (Unix seconds, the client's clock)
+    arrived: float | None  # the pull that brought it (Unix seconds; None: not pulled through Arrivals.feed)
 
 
 @dataclass
@@ -325,17 +328,28 @@ class Arrivals:
     still training: what the ServerApp has left to do after the round's last reply is that
     reply's decode and the rule. ``decode``: :func:`decode_updates` with the round's state,
     acceptance and terms bound. Each reply is decoded as alone, so the updates are the same
-    whenever and in whatever batches they are decoded."""
+    whenever and in whatever batches they are decoded. It also keeps when the round's messages
+    were pushed (:meth:`pushed`) and when each reply was pulled, the round's timeline
+    (fedact_app.timeline)."""
 
     def __init__(self, decode: Callable[[Sequence[RecordDict]], list[ClientUpdate | ReplyError]]) -> None:
         self._decode = decode
         self._decoded: dict[int, tuple[RecordDict, ClientUpdate | ReplyError]] = {}  # by id() of the content
         self.last_pull: float | None = None  # time.perf_counter() of the last pull fed (its replies or none)
+        self.push: tuple[float, float] | None = None  # the push's start and end (Unix seconds)
+        self.arrived: dict[str, float] = {}  # Unix time of the pull that brought each reply, by message id
+
+    def pushed(self, start: float, end: float) -> None:
+        """The round's messages were pushed from ``start`` to ``end`` (Unix seconds)."""
+        self.push = (start, end)
 
     def feed(self, replies: Iterable[Message]) -> None:
         """One pull's replies (possibly none), decoded now (a Flower error reply has nothing to
         decode). The last pull of a round ended its wait: for the last reply, or at the timeout."""
         self.last_pull = time.perf_counter()
+        replies = list(replies)
+        now = time.time()
+        self.arrived.update((msg.metadata.message_id, now) for msg in replies)
         contents = [msg.content for msg in replies if not msg.has_error()]
         if contents:
             for content, update in zip(contents, self._decode(contents)):
@@ -387,7 +401,8 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
             out.rejected += 1
             log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, reason)
             continue
-        passed.append(Accepted(identity(node), node, update, dict(msg.content["metrics"])))
+        passed.append(Accepted(identity(node), node, update, dict(msg.content["metrics"]), msg.metadata.created_at,
+                               arrivals.arrived.get(msg.metadata.message_id)))
     passed.sort(key=lambda item: (item.key, item.node))
     updates = [item.update for item in passed]
     reasons: dict[int, list[str]] = {}

@@ -13,7 +13,7 @@ and expects back::
     "delta":   ArrayRecord  x_i^{r,K} - x^r
     <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
     "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, train-seconds,
-                            partition-id (none from a node with its own data-path) and the
+                            work-start (fedact_app.timeline), partition-id (none from a node with its own data-path) and the
                             trust-score statistics the client sampled
                             (fedact_app.diagnostics)
 
@@ -55,10 +55,11 @@ from fedact_app.diagnostics import mean_client_statistics, vector_norms, vectors
 from fedact_app.finite import describe_names, non_finite
 from fedact_app.packing import VectorPool, as_vector
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
-from fedact_app.replies import (Acceptance, Arrivals, ReplyError, RoundTerms, accept_round, count, number,
-                                record_bytes, round_arrivals)
+from fedact_app.replies import (Acceptance, Accepted, Arrivals, ReplyError, RoundTerms, accept_round, count,
+                                number, record_bytes, round_arrivals)
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
                                  sample_clients, sample_count, unidentified_key)
+from fedact_app.timeline import ReplyTimes, round_path
 from fedact_app.wire import packed_record, to_wire
 
 
@@ -69,11 +70,13 @@ REPLY_POLL = (0.005, 0.05)  # first and longest wait between two pulls of replie
 
 def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
              on_pull: Callable[[list[Message]], None] | None = None,
-             while_waiting: Callable[[], None] | None = None) -> list[Message]:
+             while_waiting: Callable[[], None] | None = None,
+             on_push: Callable[[float, float], None] | None = None) -> list[Message]:
     """Push ``messages`` and pull their replies until all have come or ``timeout`` seconds passed
-    since the push; ``on_pull`` gets each pull's replies as they come (:func:`collect`), and
-    ``while_waiting()`` runs once between the push and the first pull (the ServerApp's own work
-    that the clients' training then hides: the previous round's evaluation).
+    since the push; ``on_push(start, end)`` gets the push's Unix times, ``on_pull`` each pull's
+    replies as they come (:func:`collect`), and ``while_waiting()`` runs once between the push and
+    the first pull (the ServerApp's own work that the clients' training then hides: the previous
+    round's evaluation).
 
     What ``Grid.send_and_receive`` does, without its fixed sleep between two pulls (Flower 1.41:
     3 s in a deployment's ``HttpGrid``, 0.1 s in simulation's ``InMemoryGrid``), which a round
@@ -82,8 +85,11 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
     with twenty pulls a second while clients train (a pull is one small query of the SuperLink;
     a cap of 0.25 s cost a simulated round about 0.1 s more, docs/PERFORMANCE.md).
     """
+    push_start = time.time()
     pending = set(grid.push_messages(messages))
     pushed = time.monotonic()
+    if on_push is not None:
+        on_push(push_start, time.time())
     if while_waiting is not None:
         while_waiting()
     left = None if timeout is None else max(0.0, timeout - (time.monotonic() - pushed))
@@ -114,6 +120,15 @@ def collect(grid: Grid, pending: set[str], timeout: float | None,
         time.sleep(max(0.0, min(wait, remaining)))
         wait = min(1.5 * wait, REPLY_POLL[1])
     return replies
+
+
+def reply_times(accepted: Iterable[Accepted]) -> list[ReplyTimes]:
+    """The timeline's times (fedact_app.timeline) of the accepted replies that were pulled through
+    a round's ``Arrivals`` and report ``work-start`` and ``train-seconds``."""
+    return [ReplyTimes(float(item.metrics["work-start"]), float(item.metrics["train-seconds"]), item.replied,
+                       item.arrived)
+            for item in accepted
+            if item.arrived is not None and "work-start" in item.metrics and "train-seconds" in item.metrics]
 
 
 def on_host(tensors: TensorDict) -> TensorDict:
@@ -349,6 +364,8 @@ class AlgorithmStrategy(Strategy):
         if seconds := [float(m["train-seconds"]) for m in client_metrics if "train-seconds" in m]:
             metrics["client_train_seconds"] = sum(seconds)  # local work of the round's clients, each by its clock
             metrics["client_train_seconds_max"] = max(seconds)  # the slowest client (stragglers)
+        if arrivals.push is not None:
+            metrics.update(round_path(*arrivals.push, reply_times(accepted)))
         if round_replies.update_ratio is not None:  # how close honest updates come to max_update_ratio
             metrics["update_norm_ratio"] = round_replies.update_ratio
         metrics.update(mean_client_statistics(client_metrics))
@@ -457,10 +474,11 @@ class AlgorithmStrategy(Strategy):
 
     def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float,
                  on_pull: Callable[[list[Message]], None] | None = None,
-                 while_waiting: Callable[[], None] | None = None) -> list[Message]:
+                 while_waiting: Callable[[], None] | None = None,
+                 on_push: Callable[[float, float], None] | None = None) -> list[Message]:
         """:func:`exchange`, counting the messages left without a reply in :attr:`unanswered`."""
         messages = list(messages)
-        replies = exchange(grid, messages, timeout, on_pull, while_waiting)
+        replies = exchange(grid, messages, timeout, on_pull, while_waiting, on_push)
         self.unanswered += len(messages) - len(replies)
         return replies
 
@@ -533,7 +551,7 @@ class AlgorithmStrategy(Strategy):
                 messages = list(self.configure_train(server_round, arrays, ConfigRecord(), grid))
                 arrivals = self.round_arrivals(server_round)
                 replies = self.exchange(grid, messages, timeout, on_pull=arrivals.feed,
-                                        while_waiting=lambda: finish_unfinished(started))
+                                        while_waiting=lambda: finish_unfinished(started), on_push=arrivals.pushed)
                 new_arrays, train_metrics, diagnostics = self.aggregate_round(server_round, replies, arrivals)
                 del replies  # the replies' bytes, not needed through the evaluation below
                 arrays = new_arrays or arrays

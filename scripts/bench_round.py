@@ -64,6 +64,7 @@ for _path in (APP_DIR, APP_DIR / "scripts"):
 import torch  # noqa: E402
 from flwr.app import MetricRecord, RecordDict  # noqa: E402
 
+from fedact_app import timeline  # noqa: E402
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, ServerRule, TensorDict  # noqa: E402
 from fedact_app.config import Config, compose  # noqa: E402
 from fedact_app.tasks.vision.batches import BatchStream  # noqa: E402
@@ -213,6 +214,29 @@ def measured(rows: list[dict], rounds: int) -> list[dict]:
     return inner or rows[-1:]
 
 
+PATH = (("push_seconds", "the ServerApp pushes the round's messages"),
+        ("last_reply_start_seconds", "then the last reply's client starts"),
+        ("last_reply_work_seconds", "its work: read the message, train, reply"),
+        ("last_reply_return_seconds", "the reply reaches the ServerApp's pull"),
+        ("server_seconds", "the ServerApp's work after it"))
+
+
+def print_path(rows: list[dict]) -> None:
+    """The round's critical path: the last reply's, from the push to the new state
+    (fedact_app.timeline), median of the rounds, and what of the round lies outside it."""
+    median = statistics.median
+    print("the round's last reply, from the push to the new state (fedact_app.timeline; median of the rounds):")
+    for key, name in PATH:
+        print(f"  {name:44} {median(r[key] for r in rows):>7.3f} s")
+    training = median(r["last_reply_train_seconds"] for r in rows)
+    print(f"  {'of its work, training (its train-seconds)':44} {training:>7.3f} s")
+    print(f"  {'the round outside this path':44} "
+          f"{median(r['seconds'] - sum(r[key] for key, _ in PATH) for r in rows):>7.3f} s "
+          "(sampling, making the messages, waits for work overlapping the round)")
+    print(f"  the round's clients started {median(r['start_seconds_min'] for r in rows):.3f} to "
+          f"{median(r['start_seconds_max'] for r in rows):.3f} s after the push")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with ``--quick``'s and ``--paper``'s settings applied (``--paper``'s only
     where the option was not given)."""
@@ -296,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     if all("server_seconds" in row for row in flower):
         print(f"the ServerApp's work after a round's last reply (server_seconds: that reply's decode, the "
               f"checks, the rule, the next state's record): {median(flower, 'server_seconds'):.3f} s")
+    if all(key in row for row in flower for key in (*timeline.COLUMNS, "server_seconds")):
+        print_path(flower)
     if device.type == "cuda":
         ends = times["round_ends"]
         first, last = flower[0]["round"], flower[-1]["round"]

@@ -25,6 +25,7 @@ from fedact_app.train import batch_generator
 from fedact_app.cli.engine import LocalEngine
 from fedact_app.cli.flwr import ENDED
 from fedact_app.cli.launch import pid_alive, run_simulation
+from fedact_app import timeline
 from fedact_app.tasks.base import build_task
 
 pytestmark = pytest.mark.timeout(1200)
@@ -32,7 +33,8 @@ APP_DIR = Path(__file__).resolve().parents[1]
 CONFIG = ("num_clients=6 fraction_train=0.5 min_train_nodes=3 num_rounds=4 local_steps=4 batch_size=16 "
           "eval_every=2 device=cpu seed=5 algorithm.lr=3e-3")
 # the wall-clock columns are the only ones a repeat may change
-CLOCK_COLUMNS = ("seconds", "client_train_seconds", "client_train_seconds_max", "server_seconds", "eval_seconds")
+CLOCK_COLUMNS = ("seconds", "client_train_seconds", "client_train_seconds_max", "server_seconds", "eval_seconds",
+                 *timeline.COLUMNS)
 JOBS = {"fedact-1": "algorithm=fedact", "fedact-2": "algorithm=fedact", "fedadamw": "algorithm=fedadamw"}
 NOTHING_THERE = "127.0.0.1:9"  # a Ray address a run would fail to reach
 

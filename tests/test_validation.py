@@ -160,10 +160,13 @@ def without(key):
     return content
 
 
-def reply(node: int, content: RecordDict | None = None, error: Error | None = None) -> Message:
-    """A reply as the SuperLink hands it to the ServerApp (real Flower Message and Metadata)."""
+def reply(node: int, content: RecordDict | None = None, error: Error | None = None,
+          created_at: float | None = None) -> Message:
+    """A reply as the SuperLink hands it to the ServerApp (real Flower Message and Metadata),
+    made at ``created_at`` (Unix seconds; default: now)."""
     metadata = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0,
-                        reply_to_message_id=f"q{node}", group_id="1", created_at=time.time(), ttl=60.0,
+                        reply_to_message_id=f"q{node}", group_id="1",
+                        created_at=time.time() if created_at is None else created_at, ttl=60.0,
                         message_type=MessageType.TRAIN)
     return Message(metadata=metadata, content=content, error=error)
 
@@ -347,7 +350,7 @@ def test_a_run_decodes_the_replies_while_they_arrive_and_times_what_is_left(monk
         decoded_outside.extend(c for c in contents if not exchanging[0])
         return decode(contents, *args, **kwargs)
 
-    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None, on_push=None):
         if while_waiting is not None:
             while_waiting()
         if not messages:  # the evaluation round (fraction_evaluate=0)
@@ -381,7 +384,7 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
     strategy = fedact_strategy()
     replies = [reply(1, good_content()), reply(2, good_content(scale=2.0))]
 
-    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):  # as strategy.collect pulls
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None, on_push=None):  # as strategy.collect pulls
         if while_waiting is not None:
             while_waiting()
         if not messages:
@@ -401,6 +404,70 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
     strategy.run(None, num_rounds=1, timeout=0.5, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
                  initial_state=dict(STATE))
     assert rows[1]["missing"] == 1 and rows[1]["seconds"] >= 0.5 and rows[1]["server_seconds"] < 0.4
+
+
+def test_a_rounds_row_cuts_the_path_of_its_last_reply(monkeypatch):
+    """The round's timeline columns (fedact_app.timeline) from the push's times, each reply's
+    ``work-start``, ``train-seconds`` and ``created_at``, and the pull that brought it: the reply
+    pulled last is the path's, the starts span every accepted reply, and a reply without
+    ``work-start`` (an older client) is left out of them."""
+    import fedact_app.strategy as strategy_module
+
+    strategy = fedact_strategy()
+    now = time.time()
+    push = (now - 3.0, now - 2.5)
+
+    def timed(node, work_start, train_seconds, made, scale=1.0):
+        content = good_content(scale)
+        metrics = dict(content["metrics"], **{"train-seconds": train_seconds})
+        if work_start is not None:
+            metrics["work-start"] = work_start
+        content["metrics"] = MetricRecord(metrics)
+        return reply(node, content, created_at=made)
+
+    first, last = timed(1, now - 2.0, 0.25, now - 1.0), timed(2, now - 2.25, 0.75, now - 0.5, scale=2.0)
+    untimed = timed(3, None, 0.5, now - 0.25, scale=1.5)
+    pulled = {}
+
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None, on_push=None):
+        if while_waiting is not None:
+            while_waiting()
+        if not messages:
+            return []
+        on_push(*push)
+        for pull in ([first], [last], [untimed]):  # the untimed reply comes last: no path of its own
+            on_pull(pull)
+            pulled[pull[0].metadata.src_node_id] = time.time()
+        return [first, last, untimed]
+
+    def configure_train(*args):
+        strategy.messages_sent = 3
+        return ["to node 1", "to node 2", "to node 3"]
+
+    monkeypatch.setattr(strategy_module, "exchange", exchange)
+    monkeypatch.setattr(strategy, "configure_train", configure_train)
+    rows = []
+    strategy.run(None, num_rounds=1, timeout=1.0, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
+                 initial_state=dict(STATE))
+    row = rows[1]
+    assert row["clients"] == 3
+    exact = {"push_seconds": 0.5, "start_seconds_min": 0.25, "start_seconds_max": 0.5,
+             "last_reply_start_seconds": 0.25, "last_reply_work_seconds": 1.75, "last_reply_train_seconds": 0.75}
+    assert {key: row[key] for key in exact} == pytest.approx(exact, abs=1e-6)
+    # pulled no earlier than its pull began and no later than on_pull returned
+    assert 0.5 <= row["last_reply_return_seconds"] <= pulled[2] - (now - 0.5) + 1e-6
+
+
+def test_arrivals_keep_when_each_reply_was_pulled():
+    """``Arrivals.feed`` stamps every reply of a pull, error replies included, with one Unix time
+    taken within the call."""
+    strategy = fedact_strategy()
+    arrivals = strategy.round_arrivals(1)
+    before = time.time()
+    arrivals.feed([reply(1, good_content()), reply(2, error=Error(code=0, reason="failed"))])
+    after = time.time()
+    assert set(arrivals.arrived) == {"m1", "m2"} and len(set(arrivals.arrived.values())) == 1
+    assert before <= arrivals.arrived["m1"] <= after
 
 
 def turning_content(server_round):
@@ -428,7 +495,7 @@ def logged_run(monkeypatch, num_rounds=3, overlap_evaluation=lambda server_round
     log.events, log.evaluated, log.rows, log.pushes = [], {}, [], []
     current = [0]
 
-    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None, on_push=None):
         if not messages:  # the evaluation round (fraction_evaluate=0)
             return []
         log.events.append(f"push {current[0]}")
@@ -565,7 +632,7 @@ def test_the_round_that_stops_a_run_without_replies_is_evaluated_before_the_erro
     strategy.max_empty_rounds = 2
     events, rows = [], []
 
-    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None, on_push=None):
         if while_waiting is not None:
             while_waiting()
         return []
@@ -629,7 +696,7 @@ def _rounds_without_replies(monkeypatch, strategy, **start_kwargs) -> list[dict]
     comes back), returning the rows it recorded."""
     import fedact_app.strategy as strategy_module
 
-    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None):
+    def exchange(grid, messages, timeout, on_pull=None, while_waiting=None, on_push=None):
         if while_waiting is not None:
             while_waiting()
         return []
