@@ -33,7 +33,11 @@ a round taken torch -> ArrayRecord -> pickle -> ArrayRecord -> torch, as the app
 simulation engine's Ray transport handle it), the server's reply checks and direction
 consistency (measured here), aggregation (the plain loop's) and the rest, idle time and
 overhead (scheduling, transport, waiting). The split assumes the clients run one at a time, as
-they do with the default ``--num-cpus`` (all of them). The same local work takes longer in a
+they do with the default ``--num-cpus`` (all of them); where they run side by side (fewer CPUs,
+or a share of a GPU, each) it is left out. Either way the round's critical path follows: the
+path of its last reply, from the push of the round's messages to its pull (dispatch, the
+client's work, the return; the columns of ``fedact_app.timeline``), then ``server_seconds``.
+The same local work takes longer in a
 simulated client than in the plain loop when Flower's and Ray's processes share its CPUs: the
 line "client compute, Flower / plain loop" says by how much. The clients' trust-score
 diagnostics are off in the Flower run (``diagnostics.trust_every=0``), so both sides train the
@@ -302,18 +306,21 @@ def main(argv: list[str] | None = None) -> int:
           f"(median); Flower run {flower_wall:.1f} s in all, start-up included")
     print(f"{'':38} {'s/round':>9} {'share':>7}")
     print(f"{'Flower simulation round':38} {flower_round:>9.3f} {'100%':>7}")
-    for name, seconds in (("  local compute (the clients' clocks)", client_compute),
-                          ("  (de)serialization (measured here)", serde),
-                          ("  reply checks, DC (measured here)", checks),
-                          ("  aggregation (plain loop's)", aggregation),
-                          ("  idle / overhead (the rest)", rest)):
-        print(f"{name:38} {seconds:>9.3f} {100 * seconds / flower_round:>6.0f}%")
+    side_by_side = args.clients > 1 and (args.num_cpus < (os.cpu_count() or 1) or 0 < args.num_gpus < 1)
+    if side_by_side:  # summed clocks exceed the round: its last reply's path below splits it instead
+        print("  (the clients ran side by side, fewer CPUs or GPUs each than the machine has: the round's "
+              "last reply below says where its time went)")
+    else:
+        for name, seconds in (("  local compute (the clients' clocks)", client_compute),
+                              ("  (de)serialization (measured here)", serde),
+                              ("  reply checks, DC (measured here)", checks),
+                              ("  aggregation (plain loop's)", aggregation),
+                              ("  idle / overhead (the rest)", rest)):
+            print(f"{name:38} {seconds:>9.3f} {100 * seconds / flower_round:>6.0f}%")
     print(f"{'plain PyTorch loop round':38} {plain_round:>9.3f}")
     print(f"{'  local compute':38} {compute:>9.3f}")
-    print(f"client compute, Flower / plain loop: {client_compute / compute:.2f}")
-    if args.clients > 1 and (args.num_cpus < (os.cpu_count() or 1) or 0 < args.num_gpus < 1):
-        print("note: clients may have run at the same time (fewer CPUs or GPUs per client than the machine "
-              "has), so their summed clocks can exceed the round and the split above does not add up")
+    print(f"client compute, Flower / plain loop: {client_compute / compute:.2f}"
+          + (" (summed over clients side by side)" if side_by_side else ""))
     bytes_round = median(flower, "bytes_sent") + median(flower, "bytes_received") if "bytes_sent" in flower[0] else 0
     print(f"bytes per round (sent + received): {bytes_round / 2**20:.1f} MiB")
     print(f"ratio Flower / plain loop: {flower_round / plain_round:.2f}")

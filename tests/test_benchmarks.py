@@ -67,7 +67,7 @@ def test_the_cuda_profile_counts_each_kernel_once():
 
 
 @pytest.mark.e2e
-def test_bench_round_quick_prints_the_split_and_the_ratio():
+def test_bench_round_quick_prints_the_split_the_path_and_the_ratio():
     out = run_script("bench_round.py", "--quick", timeout=420)
     # the rest is what the round leaves after parts measured apart from it: it can come out negative
     for row in ("Flower simulation round", "local compute", "(de)serialization", "aggregation",
@@ -78,6 +78,11 @@ def test_bench_round_quick_prints_the_split_and_the_ratio():
                      r"model, \d+\.\d s, ran while round 1's clients trained\); this 2-round run took \d+\.\d s; "
                      r"a 300-round run at this round: \d+ s", out, re.M), out
     assert re.search(r"^the ServerApp's work after a round's last reply .*: \d+\.\d{3} s$", out, re.M), out
+    for row in ("the ServerApp pushes the round's messages", "then the last reply's client starts",
+                "its work: read the message, train, reply", "the reply reaches the ServerApp's pull",
+                "the ServerApp's work after it", "the round outside this path"):
+        assert re.search(rf"^  {re.escape(row)} +-?\d+\.\d{{3}} s", out, re.M), (row, out)
+    assert re.search(r"^  the round's clients started -?\d+\.\d{3} to -?\d+\.\d{3} s after the push$", out, re.M), out
 
 
 def test_bench_round_paper_is_the_seeds_round_on_a_gpu():
