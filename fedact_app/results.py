@@ -166,8 +166,9 @@ class RunRecorder:
         row = self._store(row)
         log(INFO, "%s", _format_row(row, self.num_rounds, time.perf_counter() - self.started))
 
-    def finish(self, state: TensorDict) -> dict:
-        """Write the final model and ``summary.json``; return the summary.
+    def finish(self, state: TensorDict, startup: dict[str, float | None] | None = None) -> dict:
+        """Write the final model and ``summary.json``; return the summary. ``startup``: the Unix
+        times of the run's start-up phases, written as they are (fedact_app.server_app.run_app).
 
         A ``state`` holding NaN or inf raises RuntimeError and writes neither file: the ServerApp
         raising marks the Flower run failed, where it would otherwise end 'completed' with a
@@ -190,6 +191,8 @@ class RunRecorder:
             **reply_totals(self.rows),
             "run_dir": str(self.run_dir),
         }
+        if startup is not None:
+            summary["startup"] = startup
         if validated := [r["val_accuracy"] for r in self.rows if "val_accuracy" in r]:  # holdout_fraction > 0
             summary.update(initial_val_accuracy=validated[0], final_val_accuracy=validated[-1],
                            best_val_accuracy=max(validated))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from logging import INFO, WARNING
 
 import numpy as np
@@ -20,6 +21,7 @@ from fedact_app.results import RunRecorder, create_run_dir
 from fedact_app.serverapp_done import mark_done
 from fedact_app.strategy import AlgorithmStrategy
 from fedact_app.tasks.base import Task, build_task
+from fedact_app.timeline import process_started
 from fedact_app.train import cosine_lr, memory_format, resolve_device
 
 app = ServerApp()
@@ -78,10 +80,15 @@ def main(grid: Grid, context: Context) -> None:
 
 def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
     """The whole run: configuration, task and model, the method's rounds, the run folder; the
-    strategy that ran them."""
+    strategy that ran them. summary.json's ``startup`` has the Unix times of the start-up's
+    phases: this process's start (``process``, None where /proc is missing), this call
+    (``serverapp``), the task and model built (``task``) and round 1's start (``first_round``:
+    its sampling, before the nodes' identification)."""
+    startup = {"process": process_started(), "serverapp": time.time()}
     cfg = compose(str(context.run_config.get("overrides", "")))
     resume = open_resume(cfg)
     task, model, initial_state, trainable = initial_model(cfg)
+    startup["task"] = time.time()
     log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
     if ALGORITHMS[cfg.algorithm.name].samples_trust_scores and cfg.local_steps < cfg.diagnostics.trust_every:
@@ -124,5 +131,5 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
                                    overlap_evaluation=lambda server_round: not checkpointer.due(server_round))
     finally:
         remove_run_locks(context.run_id)  # the simulated nodes' slots (fedact_app.node_slot)
-    recorder.finish(final_state)
+    recorder.finish(final_state, startup={**startup, "first_round": strategy.first_round_started})
     return strategy

@@ -197,6 +197,7 @@ class AlgorithmStrategy(Strategy):
         self.client_keys: dict[int, ClientKey] = {}  # node id -> identity (fedact_app.sampling)
         self.open_queries: dict[str, int] = {}  # identity queries without a reply: message id -> node
         self.unanswered = 0  # train and evaluate messages that had no reply by their round's timeout
+        self.first_round_started: float | None = None  # Unix time :meth:`run` began its first round
         self.state: TensorDict = {}
         self.bytes_sent = 0
 
@@ -547,6 +548,8 @@ class AlgorithmStrategy(Strategy):
         try:
             for server_round in range(first_round, num_rounds + 1):
                 started = time.perf_counter()
+                if self.first_round_started is None:
+                    self.first_round_started = time.time()
                 lr = self.lr_schedule(server_round)
                 messages = list(self.configure_train(server_round, arrays, ConfigRecord(), grid))
                 arrivals = self.round_arrivals(server_round)

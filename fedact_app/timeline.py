@@ -1,5 +1,6 @@
-"""Where a training round's time goes: the path of the reply that came last, from the ServerApp's
-push of the round's messages to its pull of that reply.
+"""Where a run's time goes: its start-up (:func:`process_started`, and the ServerApp's ``startup``
+times in summary.json), and each training round's critical path: the path of the reply that
+came last, from the ServerApp's push of the round's messages to its pull of that reply.
 
 A round waits for its last reply, so that reply's path is the round's critical path up to the
 ServerApp's own work after it (``server_seconds``). :func:`round_path` cuts it into
@@ -25,6 +26,8 @@ between the start and the return, and their sum stays exact.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,3 +61,16 @@ def round_path(push_start: float, push_end: float, replies: Sequence[ReplyTimes]
             "last_reply_work_seconds": last.replied - last.work_start,
             "last_reply_train_seconds": last.train_seconds,
             "last_reply_return_seconds": last.arrived - last.replied}
+
+
+def process_started() -> float | None:
+    """Unix time at which this process started, to about 10 ms (Linux: its start in
+    ``/proc/self/stat`` against the uptime in ``/proc/uptime``); None where ``/proc`` has neither."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            # the fields after the command's closing parenthesis start at field 3; starttime is field 22
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            since_boot = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))

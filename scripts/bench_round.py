@@ -103,9 +103,10 @@ def round_overrides(args: argparse.Namespace, output_dir: Path) -> str:
 
 def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) -> tuple[list[dict], dict]:
     """The rows of metrics.jsonl of one simulation run (round 1 on), and its times: ``wall`` (the
-    whole run), ``round1_start`` (seconds from the launch to round 1's start: start-up),
-    ``round_ends`` (Unix time at the end of each row's round) and
-    ``round0_seconds`` (the initial evaluation's, None where the row does not say)."""
+    whole run), ``startup`` (seconds from the launch to each start-up phase of summary.json's
+    ``startup``, None for a phase it lacks; ``first_round``: round 1's start), ``round_ends``
+    (Unix time at the end of each row's round) and ``round0_seconds`` (the initial evaluation's,
+    None where the row does not say)."""
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     begun = time.time()
     result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=args.clients,
@@ -120,15 +121,13 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     rows = [json.loads(line) for line in metrics[-1].read_text().splitlines() if line.strip()]
     initial = next((row for row in rows if row["round"] == 0), {})
     rows = [row for row in rows if row["round"] >= 1]
-    # the last row was written as the last round ended (the file's modification time); the
-    # rounds before it ended each its own seconds earlier
-    round1 = metrics[-1].stat().st_mtime - sum(r["seconds"] for r in rows)
-    ends, clock = [], round1
+    startup = json.loads((metrics[-1].parent / "summary.json").read_text())["startup"]
+    ends, clock = [], startup["first_round"]  # each round runs to the next one's start
     for row in rows:
         clock += row["seconds"]
         ends.append(clock)
-    return rows, {"wall": result.seconds, "round1_start": round1 - begun, "round_ends": ends,
-                  "round0_seconds": initial.get("seconds")}
+    return rows, {"wall": result.seconds, "round_ends": ends, "round0_seconds": initial.get("seconds"),
+                  "startup": {phase: None if at is None else at - begun for phase, at in startup.items()}}
 
 
 def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
@@ -218,6 +217,10 @@ def measured(rows: list[dict], rounds: int) -> list[dict]:
     return inner or rows[-1:]
 
 
+STARTUP = (("process", "the simulation process (ServerApp and clients' dispatch) started"),
+           ("serverapp", "the ServerApp began"),
+           ("task", "its task, data and model were built"),
+           ("first_round", "round 1 began"))
 PATH = (("push_seconds", "the ServerApp pushes the round's messages"),
         ("last_reply_start_seconds", "then the last reply's client starts"),
         ("last_reply_work_seconds", "its work: read the message, train, reply"),
@@ -339,13 +342,16 @@ def main(argv: list[str] | None = None) -> int:
                                                    f"{share:.0f}%, a kernel running {share / 100 * flower_round:.2f} s "
                                                    f"of the {flower_round:.2f} s round"))
     rounds_done = flower_rows[-1]["round"]
-    projected = times["round1_start"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round
+    startup = times["startup"]
+    projected = startup["first_round"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round
     evaluation = ("" if times["round0_seconds"] is None else
                   f" (the ServerApp's evaluation of the initial model, {times['round0_seconds']:.1f} s, ran while "
                   f"round 1's clients trained)")
-    print(f"round 1 started {times['round1_start']:.1f} s after the launch{evaluation}; this {rounds_done}-round run "
-          f"took {flower_wall:.1f} s; a {args.project_rounds}-round run at this round: {projected:.0f} s "
+    print(f"round 1 started {startup['first_round']:.1f} s after the launch{evaluation}; this {rounds_done}-round "
+          f"run took {flower_wall:.1f} s; a {args.project_rounds}-round run at this round: {projected:.0f} s "
           f"({projected / 60:.1f} min)")
+    phases = [f"{name} {startup[phase]:.1f} s" for phase, name in STARTUP if startup.get(phase) is not None]
+    print("start-up, after the launch: " + ", ".join(phases))
     return 0
 
 

@@ -82,6 +82,9 @@ def test_bench_round_quick_prints_the_split_the_path_and_the_ratio():
                 "its work: read the message, train, reply", "the reply reaches the ServerApp's pull",
                 "the ServerApp's work after it", "the round outside this path"):
         assert re.search(rf"^  {re.escape(row)} +-?\d+\.\d{{3}} s", out, re.M), (row, out)
+    assert re.search(r"^start-up, after the launch: the simulation process \(ServerApp and clients' dispatch\) "
+                     r"started \d+\.\d s, the ServerApp began \d+\.\d s, its task, data and model were built "
+                     r"\d+\.\d s, round 1 began \d+\.\d s$", out, re.M), out
     assert re.search(r"^  the round's clients started -?\d+\.\d{3} to -?\d+\.\d{3} s after the push$", out, re.M), out
 
 

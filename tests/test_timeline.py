@@ -1,8 +1,12 @@
 """fedact_app.timeline: a round's last-reply path, against times worked out by hand."""
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from fedact_app.timeline import COLUMNS, ReplyTimes, round_path
+from fedact_app.timeline import COLUMNS, ReplyTimes, process_started, round_path
 
 
 def test_the_path_is_the_last_pulled_replys_and_the_starts_span_every_reply():
@@ -29,3 +33,14 @@ def test_of_replies_one_pull_brought_the_one_made_last_is_the_paths():
 
 def test_a_round_without_timed_replies_has_no_path():
     assert round_path(0.0, 0.5, []) == {}
+
+
+def test_process_started_is_when_the_process_began():
+    """A child's start lies between its spawn and its first statement (to /proc's 10 ms ticks)."""
+    spawned = time.time()
+    code = ("import time; first = time.time(); time.sleep(0.3); "
+            "from fedact_app.timeline import process_started; print(first, process_started())")
+    first, started = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                               check=True).stdout.split())
+    assert spawned - 0.05 <= started <= first
+    assert process_started() <= spawned  # this process began before it spawned the child
