@@ -242,7 +242,11 @@ def _numpy_name(dtype: torch.dtype) -> str | None:
 def number(metrics: MetricRecord, key: str) -> float:
     """``metrics[key]`` as a finite float; ReplyError when it is missing, not a number or not finite."""
     value = metrics.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:  # an int beyond float's range (a MetricRecord holds any Python int) overflows in isfinite
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
         raise ReplyError(f"metric {key!r} missing or not a finite number: {value!r}")
     return float(value)
 
@@ -337,7 +341,8 @@ class Arrivals:
         self._decoded: dict[int, tuple[RecordDict, ClientUpdate | ReplyError]] = {}  # by id() of the content
         self.last_pull: float | None = None  # time.perf_counter() of the last pull fed (its replies or none)
         self.push: tuple[float, float] | None = None  # the push's start and end (Unix seconds)
-        self.arrived: dict[str, float] = {}  # Unix time of the pull that brought each reply, by message id
+        # Unix time of the pull that brought each reply, by the id of the message it answers
+        self.arrived: dict[str, float] = {}
 
     def pushed(self, start: float, end: float) -> None:
         """The round's messages were pushed from ``start`` to ``end`` (Unix seconds)."""
@@ -349,7 +354,7 @@ class Arrivals:
         self.last_pull = time.perf_counter()
         replies = list(replies)
         now = time.time()
-        self.arrived.update((msg.metadata.message_id, now) for msg in replies)
+        self.arrived.update((msg.metadata.reply_to_message_id, now) for msg in replies)
         contents = [msg.content for msg in replies if not msg.has_error()]
         if contents:
             for content, update in zip(contents, self._decode(contents)):
@@ -402,7 +407,7 @@ def accept_round(server_round: int, replies: Iterable[Message], acceptance: Acce
             log(WARNING, "round %d: rejected reply of node %d: %s", server_round, node, reason)
             continue
         passed.append(Accepted(identity(node), node, update, dict(msg.content["metrics"]), msg.metadata.created_at,
-                               arrivals.arrived.get(msg.metadata.message_id)))
+                               arrivals.arrived.get(msg.metadata.reply_to_message_id)))
     passed.sort(key=lambda item: (item.key, item.node))
     updates = [item.update for item in passed]
     reasons: dict[int, list[str]] = {}

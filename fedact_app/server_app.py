@@ -82,13 +82,13 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
     """The whole run: configuration, task and model, the method's rounds, the run folder; the
     strategy that ran them. summary.json's ``startup`` has the Unix times of the start-up's
     phases: this process's start (``process``, None where /proc is missing), this call
-    (``serverapp``), the task and model built (``task``) and round 1's start (``first_round``:
-    its sampling, before the nodes' identification)."""
+    (``serverapp``), the task, data and model built and the model on the ServerApp's device
+    (``task``), and the start of the first round this run ran (``first_round``: round 1, or the
+    one after a resumed checkpoint; its sampling, before the nodes' identification)."""
     startup = {"process": process_started(), "serverapp": time.time()}
     cfg = compose(str(context.run_config.get("overrides", "")))
     resume = open_resume(cfg)
     task, model, initial_state, trainable = initial_model(cfg)
-    startup["task"] = time.time()
     log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
     if ALGORITHMS[cfg.algorithm.name].samples_trust_scores and cfg.local_steps < cfg.diagnostics.trust_every:
@@ -97,6 +97,7 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
             "to get them", cfg.local_steps, cfg.diagnostics.trust_every)
 
     evaluator = CentralEvaluator(cfg, task, model)
+    startup["task"] = time.time()
     recorder = RunRecorder(create_run_dir(cfg), cfg, earlier_rows=resume.checkpoint.rows if resume else ())
     checkpointer = Checkpointer(recorder.run_dir, cfg, resume.checkpoint.clients if resume else None)
     algorithm = cfg.algorithm

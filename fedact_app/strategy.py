@@ -13,7 +13,8 @@ and expects back::
     "delta":   ArrayRecord  x_i^{r,K} - x^r
     <key>:     ArrayRecord  the local rule's reply arrays (FedACT: "v")
     "metrics": MetricRecord num-examples, num-steps, lr-sum, train-loss, train-seconds,
-                            work-start (fedact_app.timeline), partition-id (none from a node with its own data-path) and the
+                            work-start (fedact_app.timeline),
+                            partition-id (none from a node with its own data-path) and the
                             trust-score statistics the client sampled
                             (fedact_app.diagnostics)
 
@@ -124,11 +125,14 @@ def collect(grid: Grid, pending: set[str], timeout: float | None,
 
 def reply_times(accepted: Iterable[Accepted]) -> list[ReplyTimes]:
     """The timeline's times (fedact_app.timeline) of the accepted replies that were pulled through
-    a round's ``Arrivals`` and report ``work-start`` and ``train-seconds``."""
-    return [ReplyTimes(float(item.metrics["work-start"]), float(item.metrics["train-seconds"]), item.replied,
-                       item.arrived)
-            for item in accepted
-            if item.arrived is not None and "work-start" in item.metrics and "train-seconds" in item.metrics]
+    a round's ``Arrivals`` and report ``work-start`` and ``train-seconds``, whose client clock is
+    consistent: a finite ``created_at`` no earlier than the ``work-start`` (Flower's checks of
+    ``created_at`` let NaN through; a reply outside these only leaves the timeline)."""
+    times = [ReplyTimes(float(item.metrics["work-start"]), float(item.metrics["train-seconds"]), item.replied,
+                        item.arrived)
+             for item in accepted
+             if item.arrived is not None and "work-start" in item.metrics and "train-seconds" in item.metrics]
+    return [t for t in times if math.isfinite(t.replied) and t.work_start <= t.replied]
 
 
 def on_host(tensors: TensorDict) -> TensorDict:

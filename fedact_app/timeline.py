@@ -1,9 +1,10 @@
 """Where a run's time goes: its start-up (:func:`process_started`, and the ServerApp's ``startup``
-times in summary.json), and each training round's critical path: the path of the reply that
-came last, from the ServerApp's push of the round's messages to its pull of that reply.
+times in summary.json), and each training round's critical path: the path of the accepted reply
+that came last, from the ServerApp's push of the round's messages to its pull of that reply.
 
 A round waits for its last reply, so that reply's path is the round's critical path up to the
-ServerApp's own work after it (``server_seconds``). :func:`round_path` cuts it into
+ServerApp's own work after it (``server_seconds``), unless a failed or rejected reply (which is
+not timed) came later. :func:`round_path` cuts it into
 
 - ``push_seconds``: the ServerApp handing the round's messages to the SuperLink
   (``Grid.push_messages``);
@@ -14,8 +15,8 @@ ServerApp's own work after it (``server_seconds``). :func:`round_path` cuts it i
   local training, making the reply), to the reply's ``created_at``; ``last_reply_train_seconds``
   is its ``train-seconds``;
 - ``last_reply_return_seconds``: from the reply's ``created_at`` to the ServerApp's pull that
-  brought it (the reply's transport, the wait between two pulls, and any ServerApp work between
-  the pulls);
+  brought it (the reply's transport, the wait between two pulls, and the ServerApp's work before
+  its first pull: the round before's diagnostics and evaluation, which the clients' work hides);
 
 and gives the first and the last client's start (``start_seconds_min`` / ``_max``): how far apart
 the round's clients begin. The four parts add up to the time from the push's start to the last
@@ -26,10 +27,14 @@ between the start and the return, and their sum stays exact.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from fedact_app.cli.procs import start_time
 
 
 COLUMNS = ("push_seconds", "start_seconds_min", "start_seconds_max", "last_reply_start_seconds",
@@ -66,11 +71,9 @@ def round_path(push_start: float, push_end: float, replies: Sequence[ReplyTimes]
 def process_started() -> float | None:
     """Unix time at which this process started, to about 10 ms (Linux: its start in
     ``/proc/self/stat`` against the uptime in ``/proc/uptime``); None where ``/proc`` has neither."""
+    ticks = start_time(os.getpid())
     try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            # the fields after the command's closing parenthesis start at field 3; starttime is field 22
-            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-            since_boot = float(uptime.read().split()[0])
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return time.time() - (since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
+    return None if ticks is None else time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))

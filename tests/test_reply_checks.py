@@ -74,6 +74,9 @@ FORGED = {
     "work-start negative": {"work-start": -1.0},
     "work-start inf": {"work-start": math.inf},
     "work-start a list": {"work-start": [1.0, 2.0]},
+    # an int beyond float's range: isfinite overflows (it raised OverflowError, not a rejection)
+    "work-start 10**400": {"work-start": 10**400},
+    "train-loss 10**400": {"train-loss": 10**400},
     "positive-ratio above 1": {"positive-ratio": 1.5},
     "top-p-mass negative": {"top-p-mass": -0.1},
     "amplified-fraction NaN": {"amplified-fraction": math.nan},

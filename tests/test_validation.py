@@ -409,8 +409,8 @@ def test_server_seconds_leave_out_the_wait_for_a_reply_that_never_came(monkeypat
 def test_a_rounds_row_cuts_the_path_of_its_last_reply(monkeypatch):
     """The round's timeline columns (fedact_app.timeline) from the push's times, each reply's
     ``work-start``, ``train-seconds`` and ``created_at``, and the pull that brought it: the reply
-    pulled last is the path's, the starts span every accepted reply, and a reply without
-    ``work-start`` (an older client) is left out of them."""
+    pulled last is the path's, the starts span every timed reply, and a reply without
+    ``work-start`` (an older client) or with a NaN ``created_at`` is left out of them."""
     import fedact_app.strategy as strategy_module
 
     strategy = fedact_strategy()
@@ -425,8 +425,11 @@ def test_a_rounds_row_cuts_the_path_of_its_last_reply(monkeypatch):
         content["metrics"] = MetricRecord(metrics)
         return reply(node, content, created_at=made)
 
-    first, last = timed(1, now - 2.0, 0.25, now - 1.0), timed(2, now - 2.25, 0.75, now - 0.5, scale=2.0)
+    # node 1 starts first, node 4 last, node 2 between them is pulled last of the timed replies
+    first, last = timed(1, now - 2.375, 0.25, now - 1.0), timed(2, now - 2.25, 0.75, now - 0.5, scale=2.0)
+    late_start = timed(4, now - 1.5, 0.125, now - 1.25, scale=1.25)
     untimed = timed(3, None, 0.5, now - 0.25, scale=1.5)
+    unclocked = timed(5, now - 2.0, 0.5, math.nan, scale=1.75)  # Flower lets a NaN created_at through
     pulled = {}
 
     def exchange(grid, messages, timeout, on_pull=None, while_waiting=None, on_push=None):
@@ -435,14 +438,15 @@ def test_a_rounds_row_cuts_the_path_of_its_last_reply(monkeypatch):
         if not messages:
             return []
         on_push(*push)
-        for pull in ([first], [last], [untimed]):  # the untimed reply comes last: no path of its own
+        # the untimed and the unclocked replies come last: no path of their own
+        for pull in ([first, late_start], [last], [untimed], [unclocked]):
             on_pull(pull)
             pulled[pull[0].metadata.src_node_id] = time.time()
-        return [first, last, untimed]
+        return [first, late_start, last, untimed, unclocked]
 
     def configure_train(*args):
-        strategy.messages_sent = 3
-        return ["to node 1", "to node 2", "to node 3"]
+        strategy.messages_sent = 5
+        return [f"to node {node}" for node in range(1, 6)]
 
     monkeypatch.setattr(strategy_module, "exchange", exchange)
     monkeypatch.setattr(strategy, "configure_train", configure_train)
@@ -450,8 +454,8 @@ def test_a_rounds_row_cuts_the_path_of_its_last_reply(monkeypatch):
     strategy.run(None, num_rounds=1, timeout=1.0, evaluate_fn=lambda r, state: None, on_round_end=rows.append,
                  initial_state=dict(STATE))
     row = rows[1]
-    assert row["clients"] == 3
-    exact = {"push_seconds": 0.5, "start_seconds_min": 0.25, "start_seconds_max": 0.5,
+    assert row["clients"] == 5  # the timeline leaves replies out, the round does not
+    exact = {"push_seconds": 0.5, "start_seconds_min": 0.125, "start_seconds_max": 1.0,
              "last_reply_start_seconds": 0.25, "last_reply_work_seconds": 1.75, "last_reply_train_seconds": 0.75}
     assert {key: row[key] for key in exact} == pytest.approx(exact, abs=1e-6)
     # pulled no earlier than its pull began and no later than on_pull returned
@@ -460,14 +464,14 @@ def test_a_rounds_row_cuts_the_path_of_its_last_reply(monkeypatch):
 
 def test_arrivals_keep_when_each_reply_was_pulled():
     """``Arrivals.feed`` stamps every reply of a pull, error replies included, with one Unix time
-    taken within the call."""
+    taken within the call, by the id of the message it answers."""
     strategy = fedact_strategy()
     arrivals = strategy.round_arrivals(1)
     before = time.time()
     arrivals.feed([reply(1, good_content()), reply(2, error=Error(code=0, reason="failed"))])
     after = time.time()
-    assert set(arrivals.arrived) == {"m1", "m2"} and len(set(arrivals.arrived.values())) == 1
-    assert before <= arrivals.arrived["m1"] <= after
+    assert set(arrivals.arrived) == {"q1", "q2"} and len(set(arrivals.arrived.values())) == 1  # the pushed ids
+    assert before <= arrivals.arrived["q1"] <= after
 
 
 def turning_content(server_round):

@@ -104,7 +104,8 @@ class FedACTAdamW(LazyDynamoOptimizer):
             of its fused SGD kernel, with FedACT's coefficients (kernels.py); equal to the eager
             operations up to rounding (where float16's ``eps`` underflows the kernel gives 0 where
             the eager ``0/0`` gives NaN, as in torch's AdamW). ``None`` (default): on for CPU and CUDA
-            parameters, where each measured faster than the eager operations (docs/PERFORMANCE.md).
+            parameters: faster than the eager operations on CPU, within a few percent of them on
+            CUDA (docs/PERFORMANCE.md).
             ``True``: on where the kernels can run; where they cannot (a device other than CPU
             or CUDA, a non-contiguous parameter or gradient such as channels_last, the update of
             bfloat16/float16 parameters) those tensors take the eager operations and a

@@ -138,7 +138,7 @@ class Run:
         self.compile = (group["compile"] and self.dtype in (torch.float32, torch.float64)
                         and (self.scores is None or self.scores.dtype == self.dtype))
         fused = group["fused"]
-        on = fused is not False and self.device.type in ("cpu", "cuda")  # None: the faster setting on both
+        on = fused is not False and self.device.type in ("cpu", "cuda")  # None: on for both (PERFORMANCE.md)
         # The kernels read every tensor of a list in its own memory order, so parameters and
         # gradients must be contiguous like the flat state's views (a channels_last weight is not).
         self.fused = (on and self.dtype in _FUSED_DTYPES and all(p.is_contiguous() for p in self.params)
