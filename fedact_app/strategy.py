@@ -66,7 +66,9 @@ from fedact_app.wire import packed_record, to_wire
 
 ALL_NODES_WAIT = 30.0  # seconds the first round waits for every expected node to register
 EVAL_EXAMPLES_RATIO = 100  # an evaluation reply may count at most this many times the round's median examples
-REPLY_POLL = (0.005, 0.05)  # first and longest wait between two pulls of replies, seconds
+REPLY_POLL = 0.005  # first wait between two pulls of replies, seconds; each next one is 1.5 times longer, up to
+REPLY_POLL_SHARE = 0.01  # this share of the time the pulls have waited so far,
+REPLY_POLL_BOUNDS = (0.01, 0.25)  # bounded by these seconds (poll_cap)
 
 
 def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
@@ -81,10 +83,11 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None,
 
     What ``Grid.send_and_receive`` does, without its fixed sleep between two pulls (Flower 1.41:
     3 s in a deployment's ``HttpGrid``, 0.1 s in simulation's ``InMemoryGrid``), which a round
-    then waits on top of its work. The wait between pulls starts at ``REPLY_POLL[0]`` and grows
-    by half each time up to ``REPLY_POLL[1]``: a round learns of its last reply within 50 ms,
-    with twenty pulls a second while clients train (a pull is one small query of the SuperLink;
-    a cap of 0.25 s cost a simulated round about 0.1 s more, docs/PERFORMANCE.md).
+    then waits on top of its work. The wait between pulls starts at ``REPLY_POLL`` and grows by
+    half each time up to :func:`poll_cap`: 10 ms for the first second, then 1 % of the time
+    waited, at most 0.25 s. So a round learns of its last reply within 10 ms, or 1 % of its wait,
+    and a long round's pulls (each a small query of the SuperLink) thin out to four a second
+    (docs/PERFORMANCE.md has the measured rounds).
     """
     push_start = time.time()
     pending = set(grid.push_messages(messages))
@@ -106,8 +109,9 @@ def collect(grid: Grid, pending: set[str], timeout: float | None,
     pull before the timeout is followed by one more, without a wait, even when ``on_pull`` took
     the time left: the replies that came while it ran are collected."""
     replies: list[Message] = []
-    deadline = None if timeout is None else time.monotonic() + timeout
-    wait = REPLY_POLL[0]
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+    wait = REPLY_POLL
     while pending:
         pulled = list(grid.pull_messages(pending))
         left = math.inf if deadline is None else deadline - time.monotonic()
@@ -119,8 +123,15 @@ def collect(grid: Grid, pending: set[str], timeout: float | None,
             break
         remaining = math.inf if deadline is None else deadline - time.monotonic()
         time.sleep(max(0.0, min(wait, remaining)))
-        wait = min(1.5 * wait, REPLY_POLL[1])
+        wait = min(1.5 * wait, poll_cap(time.monotonic() - started))
     return replies
+
+
+def poll_cap(waited: float) -> float:
+    """The longest wait between two pulls after ``waited`` seconds of pulling: ``REPLY_POLL_SHARE``
+    of it, within ``REPLY_POLL_BOUNDS``."""
+    low, high = REPLY_POLL_BOUNDS
+    return min(max(REPLY_POLL_SHARE * waited, low), high)
 
 
 def reply_times(accepted: Iterable[Accepted]) -> list[ReplyTimes]:

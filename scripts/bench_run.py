@@ -349,9 +349,9 @@ def floor_report(plain: list[dict], floor: dict) -> list[str]:
                  f"{floor_round:.3f}")]
     waits = 0.0  # what computing rounds 2..R wait for Flower's dispatch poll, which the floor's locked rounds do not
     if floor.get("single"):
-        # the mean, not the median: the reply loop's pulls (fedact_app.strategy.REPLY_POLL) come at
+        # the mean, not the median: the reply loop's pulls (fedact_app.strategy.poll_cap) come at
         # fixed times after the push, so these rounds fall on a few levels and their median jumps
-        # between them from go to go (0.068 or 0.106 s), while the mean is the expected wait
+        # between them from go to go, while the mean is the expected wait
         latency = statistics.fmean(floor["single"]["rounds"][1:] or floor["single"]["rounds"])
         waits = latency * (len(plain[0]["rounds"]) - 1)
         lines += [row("   1 message a round at a random phase, mean", f"{latency:.3f}"),

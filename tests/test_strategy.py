@@ -4,7 +4,9 @@ messages left without a reply (AlgorithmStrategy.exchange, clients_idle)."""
 import time
 from types import SimpleNamespace
 
-from fedact_app.strategy import REPLY_POLL, AlgorithmStrategy, exchange
+import pytest
+
+from fedact_app.strategy import REPLY_POLL_BOUNDS, AlgorithmStrategy, exchange, poll_cap
 
 
 class TimedGrid:
@@ -36,7 +38,14 @@ def test_exchange_returns_every_reply_soon_after_the_last_one_arrives():
     waited = time.monotonic() - started
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
     assert 0.6 <= waited < 0.6 + 1.5  # not Flower's 3 s between pulls (room for a loaded machine)
-    assert grid.pulls <= 0.6 / REPLY_POLL[1] + 10  # the wait grows to its cap: no busy loop
+    assert grid.pulls <= 0.6 / REPLY_POLL_BOUNDS[0] + 10  # the wait grows to its cap: no busy loop
+
+
+def test_the_longest_wait_between_pulls_is_a_share_of_the_wait_so_far_within_bounds():
+    """10 ms in a round's first second (its last reply known within 10 ms), 1 % of the wait from
+    then on (a long round's extra wait stays within 1 %), at most 0.25 s (four pulls a second)."""
+    assert [poll_cap(t) for t in (0.0, 0.5, 1.0, 3.0, 20.0, 600.0)] == pytest.approx(
+        [0.01, 0.01, 0.01, 0.03, 0.2, 0.25])
 
 
 def test_exchange_hands_each_pull_s_replies_over_before_the_next_pull():
