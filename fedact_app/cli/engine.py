@@ -230,8 +230,8 @@ class LocalEngine:
         # engine's, or with "local" a new one per run
         done_dir = self.home / "serverapps-done"
         done_dir.mkdir(exist_ok=True)
-        env = {**os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home), "RAY_ADDRESS": "local",
-               DONE_DIR_ENV: str(done_dir)}
+        env = {**flwr.MALLOC_ENV, **os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home),
+               "RAY_ADDRESS": "local", DONE_DIR_ENV: str(done_dir)}
         try:
             if self.mps:  # first: every process started after it must find it
                 self.mps_daemon = MpsDaemon.start(env)

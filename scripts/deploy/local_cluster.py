@@ -213,7 +213,7 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
     if missing:
         _script("make_node_keys.sh", "-o", str(keys), *missing)
 
-    base_env = {**os.environ, **flwr_cli.BASE_ENV, **(env or {})}
+    base_env = {**flwr_cli.MALLOC_ENV, **os.environ, **flwr_cli.BASE_ENV, **(env or {})}
     link_env = {**base_env, "FLWR_HOME": str(root / "superlink")}
     link_cwd = Path(cwd) if cwd else Path.cwd()
     extra = [] if runtime_dependency_install else ["--disable-runtime-dependency-installation"]
