@@ -591,3 +591,27 @@ def test_the_engine_starts_ray_without_idle_workers_ahead_of_flowers_actors(
     assert set(started) == ({"ray", "superlink"} if shared_ray else {"superlink"})
     for env in started.values():
         assert env["RAY_prestart_worker_first_driver"] == given.get("RAY_prestart_worker_first_driver", "0")
+
+
+@pytest.mark.parametrize("users", [{}, {"MALLOC_TRIM_THRESHOLD_": "131072"}])
+def test_the_engine_has_its_processes_keep_freed_memory_unless_the_user_says_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, users: dict[str, str]) -> None:
+    """Every process the engine starts (the SuperLink, so the ServerApps and Ray's actors, and a
+    shared Ray head) gets glibc's malloc settings that keep freed memory for the next message:
+    thresholds of 4 GiB (2**32), under the values of the user's own environment."""
+    from types import SimpleNamespace
+
+    started: dict[str, dict[str, str]] = {}
+    monkeypatch.setattr(engine.RayCluster, "start", lambda num_cpus, num_gpus, env: (
+        started.setdefault("ray", dict(env)), SimpleNamespace(address="127.0.0.1:1", stop=lambda **_: None))[1])
+    monkeypatch.setattr(engine.SimulationSuperLink, "start", lambda home, env, cwd, deadline: (
+        started.setdefault("superlink", dict(env)), SimpleNamespace(port=1, stop=lambda **_: None))[1])
+    monkeypatch.setattr(engine.flwr, "ControlClient", lambda address: None)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in users.items():
+        monkeypatch.setenv(name, value)
+    engine.LocalEngine(shared_ray=True, flwr_home=tmp_path)._start()
+    for env in started.values():
+        assert env["MALLOC_MMAP_THRESHOLD_"] == "4294967296"
+        assert env["MALLOC_TRIM_THRESHOLD_"] == users.get("MALLOC_TRIM_THRESHOLD_", "4294967296")
