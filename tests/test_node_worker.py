@@ -277,3 +277,24 @@ def test_the_switches_and_the_idle_time_are_checked(monkeypatch):
 def test_a_socket_path_too_long_is_refused_with_the_setting_to_change(tmp_path):
     with pytest.raises(ValueError, match=f"longer than a Unix socket path may be.*{channel.WORKER_DIR_ENV}"):
         channel.socket_path(tmp_path / ("x" * 120), "k" * 32)
+
+
+@pytest.mark.parametrize("users", [{}, {"MALLOC_MMAP_THRESHOLD_": "131072"}])
+def test_a_warm_worker_keeps_freed_memory_unless_the_nodes_environment_says_otherwise(monkeypatch, users):
+    """The worker a ClientApp starts gets glibc's malloc settings that keep freed memory for the
+    next message (4 GiB thresholds), under the SuperNode's own environment."""
+    started = {}
+
+    class Recorded:
+        def __init__(self, command, env, **kwargs):
+            started.update(env)
+
+    monkeypatch.setattr(forward.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(forward, "_STARTED", [])
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in users.items():
+        monkeypatch.setenv(name, value)
+    forward._start(Path("/tmp/none.sock"), "key", context(), (os.getpid(), 0))
+    assert started["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
+    assert started["MALLOC_MMAP_THRESHOLD_"] == users.get("MALLOC_MMAP_THRESHOLD_", "4294967296")

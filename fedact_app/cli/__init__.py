@@ -1,7 +1,8 @@
 """Host tooling: what runs on the machine that starts Flower, never inside a ClientApp or ServerApp
 (nothing under ``fedact_app`` outside this package imports it, but for :mod:`.procs`, which a
-SuperNode's warm worker, ``fedact_app.node_worker``, uses to tell whether its SuperNode still runs,
-and ``fedact_app.timeline`` to tell when the ServerApp's process started).
+SuperNode's warm worker, ``fedact_app.node_worker``, uses to tell whether its SuperNode still runs
+and for the malloc settings of the workers it starts, and ``fedact_app.timeline`` to tell when the
+ServerApp's process started).
 
 - :mod:`.launch` - ``python3 -m fedact_app.cli.launch``: the app on a private simulation SuperLink.
 - :mod:`.engine` - one private SuperLink (:mod:`.superlink`) and one Ray cluster

@@ -43,14 +43,6 @@ BASE_ENV = {
     # (docs/PERFORMANCE.md, "Fixed settings of the engine")
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25",
 }
-# glibc's malloc serves an allocation above its mmap threshold (at most 32 MiB unless set) with
-# fresh pages that fault in one by one, and gives freed memory at the heap's top back to the
-# kernel: every message's arrays (ViT-Tiny's training message 32 MB, ResNet-18's 135 MB), pickled
-# into Ray and out, packed and read, were copied into new memory each time, about 5 times slower
-# than into memory kept from the last message (ViT-Tiny's message pickled in 17 against 3 ms on
-# the 2-vCPU AMD EPYC VM). With these the processes of a run keep it. Put under the user's own
-# environment, whose values win (docs/PERFORMANCE.md, "Fixed settings of the engine").
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 ENDED = "ended:completed"  # follow_run's status for a run whose app said it ended (its `ended` argument)
 ENDED_DETAILS = "the ServerApp ended with its results written; Flower's shutdown of the run was not waited for"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
