@@ -316,7 +316,8 @@ class Config:
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
     max_empty_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
     max_update_norm: Optional[float] = None  # reject replies whose delta's L2 norm exceeds it; null = off
-    max_moment_ratio: float = MAX_MOMENT_RATIO  # reject a second moment whose norm exceeds this x the round's median; 0 = off
+    # reject a second moment whose norm is this x above or below the round's (and v_bar's) lower median; 0 = off
+    max_moment_ratio: float = MAX_MOMENT_RATIO
     max_update_ratio: float = MAX_UPDATE_RATIO  # reject an update whose norm exceeds this x the round's median; 0 = off
     aggregation: str = "mean"  # how the server combines replies: mean | trimmed_mean | median (fedact_app.aggregation)
     trim_fraction: float = TRIM_FRACTION  # trimmed_mean: drop ceil(trim_fraction x S) replies at each end

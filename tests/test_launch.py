@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fedact_app.cli import engine, flwr, launch
+from fedact_app.cli import engine, flwr, launch, procs
 from fedact_app.cli.launch import pid_alive, run_simulation
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -597,8 +597,8 @@ def test_the_engine_starts_ray_without_idle_workers_ahead_of_flowers_actors(
 def test_the_engine_has_its_processes_keep_freed_memory_unless_the_user_says_otherwise(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, users: dict[str, str]) -> None:
     """Every process the engine starts (the SuperLink, so the ServerApps and Ray's actors, and a
-    shared Ray head) gets glibc's malloc settings that keep freed memory for the next message:
-    thresholds of 4 GiB (2**32), under the values of the user's own environment."""
+    shared Ray head) gets glibc's malloc settings that keep freed memory for the next message
+    (thresholds of 4 GiB, 2**32) on glibc 2.36, and nothing of them where the user set one."""
     from types import SimpleNamespace
 
     started: dict[str, dict[str, str]] = {}
@@ -607,11 +607,27 @@ def test_the_engine_has_its_processes_keep_freed_memory_unless_the_user_says_oth
     monkeypatch.setattr(engine.SimulationSuperLink, "start", lambda home, env, cwd, deadline: (
         started.setdefault("superlink", dict(env)), SimpleNamespace(port=1, stop=lambda **_: None))[1])
     monkeypatch.setattr(engine.flwr, "ControlClient", lambda address: None)
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+    monkeypatch.setattr(procs, "glibc_version", lambda: (2, 36))
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in users.items():
         monkeypatch.setenv(name, value)
     engine.LocalEngine(shared_ray=True, flwr_home=tmp_path)._start()
+    assert set(started) == {"ray", "superlink"}
     for env in started.values():
-        assert env["MALLOC_MMAP_THRESHOLD_"] == "4294967296"
-        assert env["MALLOC_TRIM_THRESHOLD_"] == users.get("MALLOC_TRIM_THRESHOLD_", "4294967296")
+        assert env.get("MALLOC_MMAP_THRESHOLD_") == (None if users else "4294967296")
+        assert env.get("MALLOC_TRIM_THRESHOLD_") == users.get("MALLOC_TRIM_THRESHOLD_", "4294967296")
+
+
+@pytest.mark.parametrize("version, environ, wanted", [
+    ((2, 36), {}, True),
+    ((2, 39), {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}, True),  # another tunable: not malloc's
+    ((2, 34), {}, False),  # refuses a 4 GiB mmap threshold: only the trim would stay
+    (None, {}, False),  # musl, macOS: not glibc
+    ((2, 36), {"MALLOC_MMAP_THRESHOLD_": "131072"}, False),  # the user's choice, kept whole
+    ((2, 36), {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, False),
+])
+def test_the_malloc_settings_go_only_where_they_work_and_the_user_set_none(monkeypatch, version, environ, wanted):
+    monkeypatch.setattr(procs, "glibc_version", lambda: version)
+    assert procs.malloc_env(environ) == (
+        {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"} if wanted else {})

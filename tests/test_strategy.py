@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedact_app.strategy import REPLY_POLL_BOUNDS, AlgorithmStrategy, exchange, poll_cap
+from fedact_app.strategy import AlgorithmStrategy, exchange, poll_cap
 
 
 class TimedGrid:
@@ -38,7 +38,31 @@ def test_exchange_returns_every_reply_soon_after_the_last_one_arrives():
     waited = time.monotonic() - started
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
     assert 0.6 <= waited < 0.6 + 1.5  # not Flower's 3 s between pulls (room for a loaded machine)
-    assert grid.pulls <= 0.6 / REPLY_POLL_BOUNDS[0] + 10  # the wait grows to its cap: no busy loop
+    assert grid.pulls <= 70  # the wait grows to its cap, 10 ms here: no busy loop
+
+
+def test_collect_waits_between_pulls_growing_by_half_up_to_the_cap_of_its_wait_so_far(monkeypatch):
+    """On a fake clock (every sleep advances it, a pull takes no time): the waits start at 5 ms,
+    grow by half to 10 ms, then follow 1 % of the time waited up to 0.25 s, and the last one
+    stops at the deadline."""
+    import fedact_app.strategy as strategy_module
+
+    clock, sleeps = [100.0], []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(strategy_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(strategy_module.time, "sleep", sleep)
+    grid = SimpleNamespace(pull_messages=lambda ids: [])  # no reply ever comes
+    assert strategy_module.collect(grid, {"m0"}, timeout=60.0) == []
+    assert sleeps[:3] == pytest.approx([0.005, 0.0075, 0.01])
+    waited = [sum(sleeps[:i]) for i in range(len(sleeps))]
+    assert sleeps[1:-1] == pytest.approx([min(1.5 * earlier, poll_cap(at))
+                                          for earlier, at in zip(sleeps[:-2], waited[1:-1])])
+    assert sleeps[-1] <= 0.25 and sum(sleeps) == pytest.approx(60.0)  # the last one ends at the deadline
+    assert max(sleeps) == pytest.approx(0.25)
 
 
 def test_the_longest_wait_between_pulls_is_a_share_of_the_wait_so_far_within_bounds():

@@ -58,7 +58,7 @@ from typing import Any
 from fedact_app.cli import flwr
 from fedact_app.cli.flwr import LaunchError
 from fedact_app.cli.mps import MpsDaemon
-from fedact_app.cli.procs import MALLOC_ENV
+from fedact_app.cli.procs import malloc_env
 from fedact_app.cli.ray_cluster import RayCluster
 from fedact_app.cli.superlink import SimulationSuperLink
 from fedact_app.serverapp_done import DONE_DIR_ENV, done_line
@@ -231,7 +231,7 @@ class LocalEngine:
         # engine's, or with "local" a new one per run
         done_dir = self.home / "serverapps-done"
         done_dir.mkdir(exist_ok=True)
-        env = {**MALLOC_ENV, **os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home),
+        env = {**malloc_env(os.environ), **os.environ, **BASE_ENV, **self._extra_env, "FLWR_HOME": str(self.home),
                "RAY_ADDRESS": "local", DONE_DIR_ENV: str(done_dir)}
         try:
             if self.mps:  # first: every process started after it must find it

@@ -1,6 +1,6 @@
 """Process trees on Linux (``/proc``), for stopping what a Flower process spawned: what is alive,
 what descends from a pid, and signals that ignore processes already gone; and the malloc
-settings every process the app starts gets (:data:`MALLOC_ENV`)."""
+settings the processes the app starts get (:func:`malloc_env`)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,45 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 # glibc's malloc serves an allocation above its mmap threshold (at most 32 MiB unless set) with
 # fresh pages that fault in one by one, and gives freed memory at the heap's top back to the
 # kernel: every message's arrays (ViT-Tiny's training message 32 MB, ResNet-18's 135 MB), pickled
-# into Ray and out, packed and read, were copied into new memory each time, about 5 times slower
+# into Ray and out, packed and read, are copied into new memory each time, about 5 times slower
 # than into memory kept from the last message (ViT-Tiny's message pickled in 17 against 3 ms on
-# the 2-vCPU AMD EPYC VM). With these the processes of a run keep it. Put under the user's own
-# environment, whose values win (docs/PERFORMANCE.md, "Fixed settings of the engine").
+# the 2-vCPU AMD EPYC VM). These settings keep it (docs/PERFORMANCE.md, "Fixed settings of the
+# engine"); the two work only together.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+# glibc 2.34 and before refuse an mmap threshold above 32 MiB without a word, and would keep only
+# the trim threshold, which fixes the mmap threshold at 128 KiB: worse than their default. 2.36
+# is the oldest measured to take it; older ones get nothing.
+MALLOC_GLIBC = (2, 36)
+
+
+def glibc_version() -> tuple[int, ...] | None:
+    """This process's glibc version, e.g. ``(2, 36)``; None for another C library."""
+    library = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
+    name, _, version = (library or "").partition(" ")
+    try:
+        return tuple(int(part) for part in version.split(".")[:2]) if name == "glibc" else None
+    except ValueError:
+        return None
+
+
+def malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """:data:`MALLOC_ENV` for the processes started with ``environ``, or {} where it would not
+    work as measured: not glibc >= :data:`MALLOC_GLIBC` (this process's C library), or
+    ``environ`` already says how malloc should behave (either variable, or a ``glibc.malloc.``
+    entry of ``GLIBC_TUNABLES``: the user's choice is kept whole, not half overridden)."""
+    version = glibc_version()
+    if version is None or version < MALLOC_GLIBC:
+        return {}
+    if any(key in environ for key in MALLOC_ENV) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        return {}
+    return dict(MALLOC_ENV)
+
 
 KILLED_WAIT = 5.0  # seconds to wait for processes to go after SIGKILL (stop_tree without grace, the MPS daemon)
 

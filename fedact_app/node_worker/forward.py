@@ -28,7 +28,7 @@ from flwr.app import Context, Message
 from flwr.common import log
 
 import fedact_app
-from fedact_app.cli.procs import MALLOC_ENV, start_time
+from fedact_app.cli.procs import malloc_env, start_time
 from fedact_app.node_config import WARM_WORKER_KEY, switch, worker_idle_timeout
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, check_socket, peer,
                                             private_dir, recv_frames, send_frames, socket_path, worker_key)
@@ -169,10 +169,10 @@ def _try_connect(path: Path) -> socket.socket | None:
 
 
 def _start(path: Path, key: str, context: Context, node_process: tuple[int, int]) -> None:
-    """Start a worker for ``path``; it inherits this process's environment (over the malloc
-    settings that keep freed memory for the next message, ``procs.MALLOC_ENV``), working
+    """Start a worker for ``path``; it inherits this process's environment (with the malloc
+    settings that keep freed memory for the next message, ``procs.malloc_env``), working
     directory and output (the SuperNode's log), and outlives this process (a session of its own)."""
-    env = {**MALLOC_ENV, **os.environ,
+    env = {**malloc_env(os.environ), **os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [app_dir(), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "fedact_app.node_worker.serve", "--socket", str(path), "--key", key,
                "--run-id", str(context.run_id), "--node-id", str(context.node_id),

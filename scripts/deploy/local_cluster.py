@@ -76,7 +76,7 @@ from typing import Any
 from fedact_app.cli.flwr import (LaunchError, console_script, follow_run, free_port, json_payload, run_flwr,
                                  strip_ansi, submit_run, write_connection)
 from fedact_app.cli import flwr as flwr_cli
-from fedact_app.cli.procs import MALLOC_ENV, descendants, kill_quietly, pid_alive, start_time
+from fedact_app.cli.procs import descendants, kill_quietly, malloc_env, pid_alive, start_time
 from fedact_app.node_worker.channel import WORKER_DIR_ENV, worker_dir
 from fedact_app.node_worker.inventory import stop_workers, workers
 
@@ -213,7 +213,7 @@ def up(  # noqa: PLR0913 - flat options mirror the command line
     if missing:
         _script("make_node_keys.sh", "-o", str(keys), *missing)
 
-    base_env = {**MALLOC_ENV, **os.environ, **flwr_cli.BASE_ENV, **(env or {})}
+    base_env = {**malloc_env(os.environ), **os.environ, **flwr_cli.BASE_ENV, **(env or {})}
     link_env = {**base_env, "FLWR_HOME": str(root / "superlink")}
     link_cwd = Path(cwd) if cwd else Path.cwd()
     extra = [] if runtime_dependency_install else ["--disable-runtime-dependency-installation"]
