@@ -27,7 +27,6 @@ between the start and the return, and their sum stays exact.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Sequence
