@@ -92,6 +92,8 @@ METHODS: dict[str, MethodSpec] = {
     "fedact_local": MethodSpec(_FEDACT, {"trust_signal": "local"}),
     "fedact": MethodSpec(_FEDACT, {"trust_signal": "corrected"}),
 }
+# the methods whose client optimizer is FedACTAdamW
+FEDACT_FAMILY = tuple(name for name, spec in METHODS.items() if spec.uses == _FEDACT)
 
 # ---------------------------------------------------------------- hyperparameter ranges
 

@@ -78,13 +78,13 @@ from fedact_app.cli.launch import automatic_gpus, run_simulation  # noqa: E402
 from fedact_app.cli.mps import HELP as MPS_HELP  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
 from fedact_app.optim import FedACTAdamW  # noqa: E402
+from fedact_app.registry import FEDACT_FAMILY  # noqa: E402
 from fedact_app.replies import decode_update  # noqa: E402
 from fedact_app.train import (batch_generator, compiled_for_training, cosine_lr, memory_format,  # noqa: E402
                               resolve_device, train_steps)
 from fedact_app.wire import packed_record, unpacked  # noqa: E402
 from gpu_busy import GpuBusy  # noqa: E402  (scripts/)
 
-FEDACT_FAMILY = ("fedact", "fedadamw", "fedact_local")  # methods whose client optimizer is FedACTAdamW
 PAPER_OVERRIDES = ("dataset=synthetic dataset.num_classes=100 dataset.image_size=32 dataset.channels=3 "
                    "dataset.mean=[0.5,0.5,0.5] dataset.std=[0.25,0.25,0.25] dataset.num_train=50000 "
                    "dataset.num_test=10000 model=vit_tiny batch_size=50 device=cuda algorithm=fedact")

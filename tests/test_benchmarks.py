@@ -108,6 +108,32 @@ def test_bench_round_paper_is_the_seeds_round_on_a_gpu():
         bench_round.parse_args(["--paper", "--quick"])
 
 
+def test_bench_client_batch_prints_both_sides_their_gap_and_the_operation_counts():
+    out = run_script("bench_client_batch.py", "--clients", "2", "--local-steps", "1", "--rounds", "2", "--profile",
+                     "--overrides", "dataset.num_train=200 model.kwargs.depth=1", timeout=300)
+    assert "2 clients x K = 1 x batch 8; fedact (trust_scope=global)" in out, out
+    for label in ("clients one after another", "clients at once (ClientBatch)"):
+        row = rf"^  {re.escape(label)} +\d+\.\d{{3}}  \[\d+\.\d{{3}}-\d+\.\d{{3}}\] +\d+\.\d\d$"
+        assert re.search(row, out, re.M), out
+    assert re.search(r"^  loop / batched: \d+\.\d\dx$", out, re.M), out
+    assert re.search(r"max \|dDelta\| / max \|Delta\| = \d\.\d\de[-+]\d\d; .*: \d+\.\d{3} %", out), out
+    assert re.search(r"^a step of all 2 clients: aten ops loop [\d,]+ / batched [\d,]+ = \d+\.\d\dx$", out, re.M), out
+
+
+def test_bench_client_batch_paper_is_the_seeds_round():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_client_batch
+    import bench_round
+    from fedact_app.config import compose
+
+    args = bench_client_batch.parse_args(["--paper", "--clients", "4"])
+    assert (args.clients, args.local_steps, args.rounds) == (4, 50, 6)  # the flags given win
+    cfg = compose(args.overrides)
+    assert args.overrides.startswith(bench_round.PAPER_OVERRIDES)
+    assert (cfg.model.name, cfg.batch_size, cfg.device, cfg.num_clients, cfg.local_steps) == (
+        "vit_tiny", 50, "cuda", 4, 50)
+
+
 @pytest.mark.e2e
 def test_bench_run_quick_prints_the_ratios_the_floor_and_one_accuracy():
     out = run_script("bench_run.py", "--quick", timeout=600)
@@ -251,4 +277,4 @@ def test_gpu_checks_names_files_that_exist_and_refuses_an_unknown_step(tmp_path)
                           env={**os.environ, "OUT": str(tmp_path)})
     assert proc.returncode == 2
     assert ("unknown step bogus: allowed optim optim-compiled server round round-compiled round-bf16 round-mps "
-            "round-2-actors units deploy") in proc.stderr
+            "round-2-actors client-batch units deploy") in proc.stderr

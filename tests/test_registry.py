@@ -37,6 +37,9 @@ def test_builders_presets_rules_and_tasks_agree_with_the_registry():
         module, _, cls = path.partition(":")
         assert isinstance(getattr(importlib.import_module(module), cls), type), name
     assert set(registry.FILE_DATASETS) | set(registry.BUILTIN_DATASETS) == set(registry.DATASETS)
+    from fedact_app.algorithms import FedACTLocal
+    assert set(registry.FEDACT_FAMILY) == {n for n, a in ALGORITHMS.items() if a.local is FedACTLocal} == {
+        "fedact", "fedadamw", "fedact_local"}
 
 
 def test_importing_the_config_check_imports_no_torch():

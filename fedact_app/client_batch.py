@@ -1,0 +1,200 @@
+"""Several clients' local rounds of the FedACT family at once, on one device (plain PyTorch).
+
+A round's clients start from the same x^r, v̄^r and Δ_G^{r-1} and differ only in their batches
+(seed: Algorithm 1, lines 4-21). :class:`ClientBatch` keeps the trainable parameters of C such
+clients as the rows of one ``[C, d]`` tensor (row c: client c's flat parameters, in
+``named_parameters`` order), runs their forward and backward as one computation
+(``torch.func.vmap`` over ``torch.func.functional_call`` of the model) and takes their steps with
+one :class:`~fedact_app.optim.FedACTAdamW` whose parameters are the rows
+(``trust_scope="global"``: one top-⌊τd⌋ selection per row, the seed's s ∈ R^d of each client) or
+each row's views shaped like the model's tensors (``"tensor"``: one selection per client and
+tensor). Its tensor scope selects within each of its parameters, which is why the rows are the
+parameters. So a step of C clients runs about as many PyTorch operations as a step of one
+(``scripts/bench_client_batch.py`` counts them): on a GPU, where a client's step is bound by
+launching kernels, the C clients' steps then share the launches.
+
+Each client's step is the step :class:`FedACTAdamW` takes for that client alone, from the same
+batches; the batched matrix products may round differently from one client's (in float64 the
+two agree to 1e-9 relative or better, ``tests/test_client_batch.py``). What must hold for that:
+
+- every trainable parameter takes part in every client's loss: a parameter without a gradient
+  counts in d here (its gradient is 0), where a single client's FedACTAdamW skips it;
+- the buffers of the state (BatchNorm's running statistics) are each client's own, ``[C, ...]``
+  like the parameters, and their change is part of the client's Δ, as for a single client;
+- timm's attention runs its unfused path (``fused_attn = False``, a copy of the model is made
+  for the clients): ``vmap`` has no batching rule for the fused attention kernels and would run
+  them one client after another.
+
+The gradients, the state and the selection's buffers are C times a single client's. The clients'
+trust-score diagnostics (:class:`fedact_app.diagnostics.TrustProbe`) are not taken.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_map
+
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict, aligned
+from fedact_app.registry import FEDACT_FAMILY
+from fedact_app.train import autocast
+
+
+@dataclass
+class BatchedResult:
+    """One client's round within the batch: its reply and its mean training loss."""
+
+    update: ClientUpdate
+    loss: float
+
+
+class ClientBatch:
+    """C clients of the FedACT family trained at once on the device of ``model``.
+
+    Args:
+        model: the clients' architecture; it is copied, its values are never read (each round
+            starts from the ``state`` given).
+        algorithm: the method's config (``fedact``, ``fedadamw`` or ``fedact_local``): its lr
+            schedule is the caller's, everything else (betas, eps, weight decay, rho, tau,
+            alpha, gamma, trust scope and signal, scale_matched, fused, compile) applies as in
+            :class:`~fedact_app.algorithms.FedACTLocal`.
+        clients: C, the number of clients each :meth:`train_round` trains.
+        loss_fn: ``loss_fn(module, batch) -> (loss, examples)``, a task's training loss
+            (:meth:`fedact_app.tasks.base.Task.loss`); it is called inside ``vmap`` with one
+            client's batch, so it must only compute on tensors (no ``.item()``).
+        precision: ``fp32`` or ``bf16`` (:func:`fedact_app.train.autocast`).
+    """
+
+    def __init__(self, model: nn.Module, algorithm, clients: int,
+                 loss_fn: Callable[[Any, Any], tuple[Tensor, int]], precision: str = "fp32") -> None:
+        if algorithm.name not in FEDACT_FAMILY:
+            raise ValueError(f"ClientBatch trains the FedACT family {FEDACT_FAMILY}, not "
+                             f"algorithm={algorithm.name!r}")
+        if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
+            raise ValueError(f"Invalid clients: {clients!r}; expected an integer >= 1")
+        self.template = copy.deepcopy(model)
+        for module in self.template.modules():
+            if hasattr(module, "fused_attn"):  # timm's attention: the unfused path has batching rules
+                module.fused_attn = False
+        self.named = [(name, p) for name, p in self.template.named_parameters() if p.requires_grad]
+        self.clients, self.loss_fn, self.precision = clients, loss_fn, precision
+        self.offsets = [0]
+        for _, p in self.named:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        first = self.named[0][1]
+        self.device = first.device
+        # The clients' parameters: row c of `weights` is client c's flat parameters. The forward
+        # reads them as one stacked leaf per model tensor (a [C, ...] view of `weights`), whose
+        # gradient is accumulated in place into the same view of `grads`; the optimizer's
+        # parameters are the rows (or their tensors) of `weights`, its gradients those of `grads`.
+        # (Slicing one [C, d] leaf in the forward instead would make each slice's backward fill a
+        # [C, d] gradient: O(tensors x C x d) a step.)
+        self.weights = torch.zeros(clients, self.offsets[-1], dtype=first.dtype, device=self.device)
+        self.grads = torch.zeros_like(self.weights)
+        self.leaves = {name: view.requires_grad_() for name, view in self._stacked(self.weights).items()}
+        self.leaf_grads = list(self._stacked(self.grads).values())
+        for leaf, grad in zip(self.leaves.values(), self.leaf_grads):
+            leaf.grad = grad
+        self.rows_are_params = algorithm.trust_scope == "global"
+        self._examples = 0  # the loss function's examples a client's batch (the same for all)
+        if self.rows_are_params:
+            self.params = list(self.weights.unbind(0))
+            grads = list(self.grads.unbind(0))
+        else:
+            self.params = [view for row in self.weights.unbind(0) for view in self._views(row).values()]
+            grads = [view for row in self.grads.unbind(0) for view in self._views(row).values()]
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        # each of the optimizer's parameters is one selection scope of one client: a row for the
+        # global scope, a row's tensor for the tensor scope (FedACTAdamW's tensor scope)
+        rule = ALGORITHMS[algorithm.name].local(replace(algorithm, trust_scope="tensor"))
+        self.optimizer = rule.make_optimizer([(str(i), p) for i, p in enumerate(self.params)])
+
+    def _stacked(self, rows: Tensor) -> dict[str, Tensor]:
+        """The model's trainable tensors as [C, ...] views of the clients' ``rows``."""
+        return {name: rows[:, start:end].view(rows.shape[0], *p.shape)
+                for (name, p), start, end in zip(self.named, self.offsets, self.offsets[1:])}
+
+    def _views(self, row: Tensor) -> dict[str, Tensor]:
+        """The model's trainable tensors as views of one client's flat ``row``."""
+        return {name: row[start:end].view(p.shape)
+                for (name, p), start, end in zip(self.named, self.offsets, self.offsets[1:])}
+
+    def _flat(self, tensors: list[Tensor]) -> Tensor:
+        return torch.cat([t.reshape(-1) for t in tensors]).to(self.device, self.weights.dtype)
+
+    def _per_parameter(self, tensors: list[Tensor] | None) -> list[Tensor] | None:
+        """A tensor per trainable parameter (``named_parameters`` order) as one per optimizer
+        parameter: the same values for every client."""
+        if tensors is None:
+            return None
+        if self.rows_are_params:
+            return [self._flat(tensors)] * self.clients
+        return [t.to(self.device, self.weights.dtype) for t in tensors] * self.clients
+
+    def _client_loss(self, params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
+        def module(*inputs):
+            return functional_call(self.template, {**params, **buffers}, inputs)
+        loss, self._examples = self.loss_fn(module, batch)
+        return loss
+
+    def train_round(self, state: TensorDict, received: dict[str, TensorDict], batches: Sequence[Any], *,
+                    lr: float, local_steps: int, global_step: int) -> list[BatchedResult]:
+        """K = ``local_steps`` steps of each client from x^r = ``state`` (the model's whole state
+        dict, on the CPU) with the server's ``received`` arrays (``v_bar``, ``delta_g``; absent
+        means zeros) and ``global_step`` = t before the round's first step. ``batches[c]`` is
+        client c's stream (``next_batch()``): each step stacks the C batches, which must have
+        the same shapes. Returns each client's reply (Δ_c, v_c) and loss, in ``batches`` order."""
+        if len(batches) != self.clients:
+            raise ValueError(f"train_round got {len(batches)} clients' batches for a ClientBatch of "
+                             f"{self.clients} clients")
+        self.template.load_state_dict(state, strict=False)  # what is not trained: buffers, frozen tensors
+        names = [name for name, _ in self.named]
+        self.weights.copy_(self._flat([state[name] for name in names]).expand(self.clients, -1))
+        # each client's own copy of the buffers the state carries (BatchNorm's running statistics),
+        # written in place by the forward
+        buffers = {name: state[name].to(self.device).expand(self.clients, *state[name].shape).clone()
+                   for name, _ in self.template.named_buffers() if name in state}
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.begin_round(v_bar=self._per_parameter(aligned(received, "v_bar", self.named)),
+                                   delta_g=self._per_parameter(aligned(received, "delta_g", self.named)),
+                                   global_step=global_step)
+        losses = vmap(self._client_loss)
+        loss_sum = torch.zeros(self.clients, dtype=torch.float64, device=self.device)
+        examples = 0
+        for _ in range(local_steps):
+            batch = tree_map(lambda *leaves: torch.stack(leaves), *[b.next_batch() for b in batches])
+            self.grads.zero_()
+            with autocast(self.device, self.precision):
+                loss = losses(self.leaves, buffers, batch)
+            with warnings.catch_warnings():
+                # a leaf's rows are d apart in `weights` and its gradient's in `grads` (each row
+                # one client's flat parameters): autograd warns that this is not the layout a
+                # fresh gradient would have
+                warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+                loss.sum().backward()
+            if any(leaf.grad is not grad for leaf, grad in zip(self.leaves.values(), self.leaf_grads)):
+                raise RuntimeError("autograd replaced a gradient of ClientBatch instead of accumulating into it")
+            self.optimizer.step()
+            loss_sum += loss.detach()
+            examples += self._examples
+        rows = self.weights.cpu()
+        moments = torch.cat([m.reshape(-1) for m in self.optimizer.second_moments()]).reshape(self.clients, -1).cpu()
+        results = []
+        for c, mean_loss in enumerate((loss_sum / local_steps).tolist()):
+            trained = {name: view.clone() - state[name] for name, view in self._views(rows[c]).items()}
+            trained.update({name: tensor[c].cpu() - state[name] for name, tensor in buffers.items()})
+            delta = {name: trained.get(name, torch.zeros_like(tensor)) for name, tensor in state.items()}
+            v = {name: view.clone() for name, view in self._views(moments[c]).items()}
+            update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,
+                                  num_examples=examples, arrays={"v": v})
+            results.append(BatchedResult(update, mean_loss))
+        return results
