@@ -130,27 +130,28 @@ def test_synthetic_shape_and_determinism():
     assert not np.array_equal(a.images, c.images)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 40, 1000])
-def test_synthetic_images_drawn_in_chunks_are_the_one_draw_formula(chunk):
-    """The images are clip(means[labels] + normal(0, 0.3, (n, c, h, w)), 0, 1) in float32, the
-    noise one stream from the split's seed, whatever the chunk (one image, a ragged last chunk,
-    the whole split, more than it)."""
+def test_synthetic_images_are_the_per_row_formula():
+    """Row i is clip(means[labels[i]] + normal(0, 0.3, (c, h, w)), 0, 1) in float32, its noise
+    from the i-th child of the split's seed sequence; the labels a permutation from the split's
+    own seed."""
     cfg = synthetic_cfg(channels=3, mean=[0.0] * 3, std=[1.0] * 3, image_size=5, num_train=40, num_test=12)
-    train, test = splits._synthetic_splits(cfg, 11, chunk=chunk)
+    train, test = splits._synthetic_splits(cfg, 11)
     means_seq, *split_seqs = np.random.SeedSequence(11).spawn(3)
     means = np.random.default_rng(means_seq).uniform(0.0, 1.0, (4, 3, 5, 5))
     for split, seq, n in zip((train, test), split_seqs, (40, 12)):
-        rng = np.random.default_rng(seq)
-        labels = rng.permutation(np.arange(n) % 4)
-        images = np.clip(means[labels] + rng.normal(0.0, 0.3, (n, 3, 5, 5)), 0.0, 1.0).astype(np.float32)
+        labels = np.random.default_rng(seq).permutation(np.arange(n) % 4)
+        children = seq.spawn(n)
+        images = np.stack([np.clip(means[labels[i]] + np.random.default_rng(children[i]).normal(0.0, 0.3, (3, 5, 5)),
+                                   0.0, 1.0) for i in range(n)]).astype(np.float32)
         assert np.array_equal(split.labels, labels) and np.array_equal(split.images, images)
         assert split.images.dtype == np.float32
 
 
 def test_synthetic_images_are_drawn_only_where_they_are_read():
     """The ServerApp's check of the partitions reads the training labels and its evaluation the
-    test split: neither draws the training images. A client's partition draws the training
-    images, not the test ones. Threads reading a split at once get one array, drawn once."""
+    test split: neither draws the training images. A client's partition draws its own rows
+    alone, the same images as the whole split's rows. Threads reading a split at once get one
+    array, drawn once."""
     cfg = Config(dataset=synthetic_cfg(), num_clients=2, seed=5)
 
     def drawn() -> tuple[bool, bool]:
@@ -162,14 +163,17 @@ def test_synthetic_images_are_drawn_only_where_they_are_read():
     data.load_test(cfg)
     assert drawn() == (False, True)
     data.clear_caches()
-    data.load_client_train(cfg, 0, 2)
-    assert drawn() == (True, False)
-
-    train, _ = splits._synthetic_splits(synthetic_cfg(), 5)  # a draw that failed can be done again
-    assert np.array_equal(train.all_images._make(), train.all_images._make())
+    client = data.load_client_train(cfg, 0, 2)
+    assert drawn() == (False, False)
+    train, _, _, _ = data._splits_cached(data._dataset_key(cfg.dataset), None, cfg.seed)
+    rows = partition.partition_indices(train.labels, 2, cfg.partition, seed=cfg.seed)[0]
+    assert 0 < len(rows) < len(train)
+    whole = train.all_images.array()
+    assert np.array_equal(train.all_images.take(rows), whole[rows])
+    torch.testing.assert_close(client.images, to_image_tensors(train.select(rows), cfg.dataset).images)
 
     calls = []
-    lazy = splits.LazyImages(lambda: calls.append(1) or time.sleep(0.05) or np.zeros(3))
+    lazy = splits.LazyImages(lambda rows: calls.append(1) or time.sleep(0.05) or np.zeros(len(rows)), 3)
     with ThreadPoolExecutor(4) as pool:
         arrays = list(pool.map(lambda _: lazy.array(), range(4)))
     assert len(calls) == 1 and all(a is arrays[0] for a in arrays)

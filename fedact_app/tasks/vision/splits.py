@@ -66,25 +66,31 @@ class DatasetUnavailableError(HubUnavailableError):
 
 
 class LazyImages:
-    """Images made at their first use, once, by ``make()`` (thread-safe; a ``make()`` that raised
-    is called again at the next use, so it must give the same images every call). A synthetic
-    split knows its labels before its images: a process that needs only the labels (the
-    ServerApp's check of the partitions) or only the other split (a client its training rows,
-    the ServerApp the test split) never draws them. Not picklable: splits stay in the process
-    that made them."""
+    """Images made when first read, by ``draw(rows)`` (the images of those row numbers; it must
+    give the same image for a row at every call, whatever the other rows asked). A synthetic
+    split knows its labels before its images, and draws each image from its own seed: a process
+    that needs only the labels (the ServerApp's check of the partitions) draws none, and one
+    that reads some rows (a client its partition, tuning its held-out rows) draws only those.
+    :meth:`array` draws the whole split once (thread-safe; a draw that raised is tried again at
+    the next read). Not picklable: splits stay in the process that made them."""
 
-    def __init__(self, make: Callable[[], np.ndarray]) -> None:
-        self._make: Callable[[], np.ndarray] | None = make
+    def __init__(self, draw: Callable[[np.ndarray], np.ndarray], count: int) -> None:
+        self._draw, self.count = draw, count
         self._array: np.ndarray | None = None
         self._lock = threading.Lock()
 
     def array(self) -> np.ndarray:
-        """The images, made at the first call."""
+        """All the images, drawn at the first call and kept."""
         if self._array is None:
             with self._lock:
                 if self._array is None:
-                    self._array, self._make = self._make(), None
+                    self._array = self._draw(np.arange(self.count))
         return self._array
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """The images of ``rows``, in that order: from the whole split where it was drawn, else
+        drawn for these rows alone (not kept)."""
+        return self._array[rows] if self._array is not None else self._draw(rows)
 
 
 @dataclass(frozen=True, eq=False)  # (no == or hash over arrays)
@@ -110,8 +116,9 @@ class ArraySplit:
     @property
     def images(self) -> np.ndarray:
         """The split's images, in its order (a copy where it selects rows)."""
-        images = self.all_images.array() if isinstance(self.all_images, LazyImages) else self.all_images
-        return images if self.rows is None else images[self.rows]
+        if isinstance(self.all_images, LazyImages):
+            return self.all_images.array() if self.rows is None else self.all_images.take(self.rows)
+        return self.all_images if self.rows is None else self.all_images[self.rows]
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -198,41 +205,32 @@ def _fits_digits(arrays: dict[str, np.ndarray]) -> bool:
             and all(0 <= a.min() and a.max() <= (1 if a.dtype == np.float32 else 9) for a in arrays.values()))
 
 
-SYNTHETIC_CHUNK = 2048  # images drawn and converted at a time: a few MB of float64 in flight
-
-
-def _synthetic_splits(cfg: DatasetConfig, seed: int,
-                      chunk: int = SYNTHETIC_CHUNK) -> tuple[ArraySplit, ArraySplit]:
+def _synthetic_splits(cfg: DatasetConfig, seed: int) -> tuple[ArraySplit, ArraySplit]:
     """Class-conditional images: a random mean pattern per class plus noise, clipped to [0, 1].
 
-    Each split's noise is one stream of normal draws, taken ``chunk`` images at a time: numpy's
-    generator gives the same values in pieces as in one call, so the images are those of
-    ``clip(means[labels] + normal(0, std, (n, c, h, w)), 0, 1)`` in float32, without its n x
-    c x h x w float64 temporaries (3.8 GB and 7.3 s for 50,000 CIFAR-shaped images on one
-    2-vCPU VM; chunked 0.6 GB and 1.9 s). The labels are drawn first, the images when first
-    read (:class:`LazyImages`), from the rest of the split's stream: the same values."""
+    Row i of a split is ``clip(means[labels[i]] + normal(0, 0.3, (c, h, w)), 0, 1)`` in float32,
+    its noise drawn by the i-th child of the split's seed sequence (``SeedSequence.spawn``'s
+    i-th), so that any row can be drawn alone: a client's partition of the seed's CIFAR-100-shaped
+    split (5,000 of 50,000 images) draws a tenth of the images. The labels are drawn first, from
+    the split's own seed; the images when first read (:class:`LazyImages`)."""
     means_seq, train_seq, test_seq = np.random.SeedSequence(seed % 2**63).spawn(3)
     shape = (cfg.channels, cfg.image_size, cfg.image_size)
     means = np.random.default_rng(means_seq).uniform(0.0, 1.0, (cfg.num_classes, *shape))
 
     def sample(seq: np.random.SeedSequence, n: int) -> ArraySplit:
-        rng = np.random.default_rng(seq)
-        labels = rng.permutation(np.arange(n) % cfg.num_classes).astype(np.int64)
+        labels = np.random.default_rng(seq).permutation(np.arange(n) % cfg.num_classes).astype(np.int64)
         labels.setflags(write=False)  # the images are drawn from them later
-        after_labels = rng.bit_generator.state
 
-        def draw() -> np.ndarray:  # from where the labels ended: the same images at every call
-            rng = np.random.default_rng(seq)
-            rng.bit_generator.state = after_labels
-            images = np.empty((n, *shape), dtype=np.float32)
-            for start in range(0, n, chunk):
-                rows = slice(start, min(n, start + chunk))
-                pixels = rng.normal(0.0, SYNTHETIC_NOISE_STD, (rows.stop - start, *shape))
-                pixels += means[labels[rows]]
-                images[rows] = np.clip(pixels, 0.0, 1.0, out=pixels)
+        def draw(rows: np.ndarray) -> np.ndarray:
+            images = np.empty((len(rows), *shape), dtype=np.float32)
+            for out, row in zip(images, rows):
+                child = np.random.SeedSequence(seq.entropy, spawn_key=(*seq.spawn_key, int(row)))
+                pixels = np.random.default_rng(child).normal(0.0, SYNTHETIC_NOISE_STD, shape)
+                pixels += means[labels[row]]
+                out[...] = np.clip(pixels, 0.0, 1.0, out=pixels)
             return images
 
-        return ArraySplit(LazyImages(draw), labels)
+        return ArraySplit(LazyImages(draw, n), labels)
 
     return sample(train_seq, cfg.num_train), sample(test_seq, cfg.num_test)
 
