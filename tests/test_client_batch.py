@@ -34,10 +34,11 @@ def small_vit(fused_attn: bool = True) -> torch.nn.Module:
 
 
 class Stream:
-    """A client's fixed batches, handed out in order (a BatchStream's contract)."""
+    """A client's fixed batches, handed out in order (a BatchStream's contract), on ``device``."""
 
-    def __init__(self, batches):
-        self.batches, self.position = batches, 0
+    def __init__(self, batches, device="cpu"):
+        self.batches = [tuple(t.to(device) for t in batch) for batch in batches]
+        self.position = 0
 
     def next_batch(self):
         self.position += 1
@@ -63,14 +64,15 @@ def one_client(model, algorithm, state, received, batches, lr, steps, global_ste
                           delta_g=[received["delta_g"][n] for n, _ in named] if "delta_g" in received else None,
                           global_step=global_step)
     losses = []
-    for images, labels in batches:
+    device = next(model.parameters()).device
+    for images, labels in ((images.to(device), labels.to(device)) for images, labels in batches):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    delta = {n: t.detach() - state[n] for n, t in model.state_dict().items()}
-    v = {n: m.detach().clone() for (n, _), m in zip(named, optimizer.second_moments())}
+    delta = {n: t.detach().cpu() - state[n] for n, t in model.state_dict().items()}
+    v = {n: m.detach().cpu() for (n, _), m in zip(named, optimizer.second_moments())}
     return delta, v, sum(losses) / len(losses)
 
 
@@ -139,6 +141,26 @@ def test_batchnorm_statistics_are_each_clients_own():
         for name in v:
             torch.testing.assert_close(result.update.arrays["v"][name], v[name], rtol=1e-9, atol=1e-15)
     assert not torch.equal(results[0].update.delta["bn1.running_mean"], results[1].update.delta["bn1.running_mean"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scope", ["global", "tensor"])
+def test_cuda_each_client_steps_as_if_alone(scope):
+    """On the GPU: the batched products, the clients' rows and the device selection per row."""
+    algorithm = dataclasses.replace(AlgorithmConfig(), name="fedact", lr=1e-2, weight_decay=0.05, trust_scope=scope)
+    model = small_vit().cuda()
+    state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
+    received = server_arrays(model, 7)
+    results = ClientBatch(model, algorithm, 3, classification_loss).train_round(
+        state, received, [Stream(client_batches(c, 3), "cuda") for c in range(3)], lr=1e-2, local_steps=3,
+        global_step=6)
+    for c, result in enumerate(results):
+        delta, v, loss = one_client(small_vit().cuda(), algorithm, state, received, client_batches(c, 3), 1e-2, 3, 6)
+        for name in delta:
+            torch.testing.assert_close(result.update.delta[name], delta[name], rtol=1e-9, atol=1e-12)
+        for name in v:
+            torch.testing.assert_close(result.update.arrays["v"][name], v[name], rtol=1e-9, atol=1e-15)
+        assert result.loss == pytest.approx(loss, rel=1e-12)
 
 
 def test_a_second_round_starts_afresh():
