@@ -25,13 +25,15 @@ two agree to 1e-9 relative or better, ``tests/test_client_batch.py``). What must
   for the clients): ``vmap`` has no batching rule for the fused attention kernels and would run
   them one client after another.
 
-The gradients, the state and the selection's buffers are C times a single client's. The clients'
-trust-score diagnostics (:class:`fedact_app.diagnostics.TrustProbe`) are not taken.
+The gradients, the state and the selection's buffers are C times a single client's. Each
+client's trust-score diagnostics (:class:`fedact_app.diagnostics.TrustProbe`) are its own, taken
+from one ``last_step_direction`` of the sampled step for all of them.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -43,16 +45,19 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_map
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict, aligned
+from fedact_app.diagnostics import TrustProbe
 from fedact_app.registry import FEDACT_FAMILY
 from fedact_app.train import autocast
 
 
 @dataclass
 class BatchedResult:
-    """One client's round within the batch: its reply and its mean training loss."""
+    """One client's round within the batch: its reply, its mean training loss and its trust-score
+    diagnostics (``TrustProbe.summary``)."""
 
     update: ClientUpdate
     loss: float
+    diagnostics: dict[str, float]
 
 
 class ClientBatch:
@@ -70,10 +75,13 @@ class ClientBatch:
             (:meth:`fedact_app.tasks.base.Task.loss`); it is called inside ``vmap`` with one
             client's batch, so it must only compute on tensors (no ``.item()``).
         precision: ``fp32`` or ``bf16`` (:func:`fedact_app.train.autocast`).
+        trust_every, top_p: the clients' diagnostics (``diagnostics.trust_every``, ``.top_p``;
+            ``trust_every=0``: none), as :class:`~fedact_app.diagnostics.TrustProbe` takes them.
     """
 
     def __init__(self, model: nn.Module, algorithm, clients: int,
-                 loss_fn: Callable[[Any, Any], tuple[Tensor, int]], precision: str = "fp32") -> None:
+                 loss_fn: Callable[[Any, Any], tuple[Tensor, int]], precision: str = "fp32",
+                 trust_every: int = 0, top_p: float = 0.01) -> None:
         if algorithm.name not in FEDACT_FAMILY:
             raise ValueError(f"ClientBatch trains the FedACT family {FEDACT_FAMILY}, not "
                              f"algorithm={algorithm.name!r}")
@@ -85,6 +93,7 @@ class ClientBatch:
                 module.fused_attn = False
         self.named = [(name, p) for name, p in self.template.named_parameters() if p.requires_grad]
         self.clients, self.loss_fn, self.precision = clients, loss_fn, precision
+        self.trust_every, self.top_p = trust_every, top_p
         self.offsets = [0]
         for _, p in self.named:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -114,8 +123,9 @@ class ClientBatch:
             p.grad = g
         # each of the optimizer's parameters is one selection scope of one client: a row for the
         # global scope, a row's tensor for the tensor scope (FedACTAdamW's tensor scope)
-        rule = ALGORITHMS[algorithm.name].local(replace(algorithm, trust_scope="tensor"))
-        self.optimizer = rule.make_optimizer([(str(i), p) for i, p in enumerate(self.params)])
+        self.rule = ALGORITHMS[algorithm.name].local(replace(algorithm, trust_scope="tensor"))
+        self.optimizer = self.rule.make_optimizer([(str(i), p) for i, p in enumerate(self.params)])
+        self._pairs: tuple[int, list[tuple[Tensor, Tensor]] | None] = (0, None)
 
     def _stacked(self, rows: Tensor) -> dict[str, Tensor]:
         """The model's trainable tensors as [C, ...] views of the clients' ``rows``."""
@@ -138,6 +148,18 @@ class ClientBatch:
         if self.rows_are_params:
             return [self._flat(tensors)] * self.clients
         return [t.to(self.device, self.weights.dtype) for t in tensors] * self.clients
+
+    def _client_pairs(self, client: int) -> list[tuple[Tensor, Tensor]] | None:
+        """Client ``client``'s (u, g) pairs of the last step (``rule.last_step_direction``, made
+        once a step for all clients)."""
+        step = self.optimizer.local_step
+        if self._pairs[0] != step:
+            self._pairs = (step, self.rule.last_step_direction(self.optimizer))
+        pairs = self._pairs[1]
+        if pairs is None:
+            return None
+        per_client = len(pairs) // self.clients
+        return pairs[client * per_client:(client + 1) * per_client]
 
     def _client_loss(self, params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
         def module(*inputs):
@@ -167,10 +189,15 @@ class ClientBatch:
         self.optimizer.begin_round(v_bar=self._per_parameter(aligned(received, "v_bar", self.named)),
                                    delta_g=self._per_parameter(aligned(received, "delta_g", self.named)),
                                    global_step=global_step)
+        self._pairs = (0, None)
+        # amplified_fraction is the same for every client: each has its d coordinates and k of them
+        probes = [TrustProbe(self.trust_every, self.top_p, direction=functools.partial(self._client_pairs, c),
+                             amplified=lambda: self.rule.amplified_fraction(self.optimizer))
+                  for c in range(self.clients)]
         losses = vmap(self._client_loss)
         loss_sum = torch.zeros(self.clients, dtype=torch.float64, device=self.device)
         examples = 0
-        for _ in range(local_steps):
+        for step in range(1, local_steps + 1):
             batch = tree_map(lambda *leaves: torch.stack(leaves), *[b.next_batch() for b in batches])
             self.grads.zero_()
             with autocast(self.device, self.precision):
@@ -184,6 +211,8 @@ class ClientBatch:
             if any(leaf.grad is not grad for leaf, grad in zip(self.leaves.values(), self.leaf_grads)):
                 raise RuntimeError("autograd replaced a gradient of ClientBatch instead of accumulating into it")
             self.optimizer.step()
+            for probe in probes:
+                probe.after_step(step)
             loss_sum += loss.detach()
             examples += self._examples
         rows = self.weights.cpu()
@@ -196,5 +225,5 @@ class ClientBatch:
             v = {name: view.clone() for name, view in self._views(moments[c]).items()}
             update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,
                                   num_examples=examples, arrays={"v": v})
-            results.append(BatchedResult(update, mean_loss))
+            results.append(BatchedResult(update, mean_loss, probes[c].summary()))
         return results

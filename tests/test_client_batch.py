@@ -11,12 +11,14 @@ import torch.nn.functional as F
 
 from fedact_app.client_batch import ClientBatch
 from fedact_app.config import AlgorithmConfig, DatasetConfig, ModelConfig
+from fedact_app.diagnostics import TrustProbe
 from fedact_app.optim import FedACTAdamW
 from fedact_app.tasks.vision.models import build_model
 from fedact_app.train import classification_loss
 from timm.models.vision_transformer import VisionTransformer
 
 BATCH = 4
+TOP_P = 0.05
 
 
 def small_vit(fused_attn: bool = True) -> torch.nn.Module:
@@ -51,8 +53,9 @@ def client_batches(client: int, steps: int, size: int = 8) -> list[tuple[torch.T
              torch.randint(0, 5, (BATCH,), generator=generator)) for _ in range(steps)]
 
 
-def one_client(model, algorithm, state, received, batches, lr, steps, global_step):
-    """The reference: one client's round with its own FedACTAdamW, as ClientTrainer takes it."""
+def one_client(model, algorithm, state, received, batches, lr, steps, global_step, trust_every=0):
+    """The reference: one client's round with its own FedACTAdamW, as ClientTrainer takes it,
+    and its TrustProbe's summary."""
     model.load_state_dict(state)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     a = algorithm
@@ -63,6 +66,8 @@ def one_client(model, algorithm, state, received, batches, lr, steps, global_ste
     optimizer.begin_round(v_bar=[received["v_bar"][n] for n, _ in named] if "v_bar" in received else None,
                           delta_g=[received["delta_g"][n] for n, _ in named] if "delta_g" in received else None,
                           global_step=global_step)
+    probe = TrustProbe(trust_every, TOP_P, direction=optimizer.last_step_direction,
+                       amplified=optimizer.amplified_fraction)
     losses = []
     device = next(model.parameters()).device
     for images, labels in ((images.to(device), labels.to(device)) for images, labels in batches):
@@ -70,10 +75,11 @@ def one_client(model, algorithm, state, received, batches, lr, steps, global_ste
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
+        probe.after_step(len(losses) + 1)
         losses.append(loss.item())
     delta = {n: t.detach().cpu() - state[n] for n, t in model.state_dict().items()}
     v = {n: m.detach().cpu() for (n, _), m in zip(named, optimizer.second_moments())}
-    return delta, v, sum(losses) / len(losses)
+    return delta, v, sum(losses) / len(losses), probe.summary()
 
 
 def server_arrays(model, seed: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -99,13 +105,16 @@ def test_each_client_steps_as_if_alone(settings):
     state = {n: t.clone() for n, t in model.state_dict().items()}
     received = server_arrays(model, 7)
     clients, steps, lr = 3, 3, 1e-2
-    batch = ClientBatch(model, algorithm, clients, classification_loss)
+    batch = ClientBatch(model, algorithm, clients, classification_loss, trust_every=2, top_p=TOP_P)
     results = batch.train_round(state, received, [Stream(client_batches(c, steps)) for c in range(clients)],
                                 lr=lr, local_steps=steps, global_step=6)
     assert len(results) == clients
     for c, result in enumerate(results):
-        delta, v, loss = one_client(small_vit(), algorithm, state, received, client_batches(c, steps), lr,
-                                    steps, 6)
+        delta, v, loss, diagnostics = one_client(small_vit(), algorithm, state, received, client_batches(c, steps),
+                                                 lr, steps, 6, trust_every=2)
+        assert set(result.diagnostics) == set(diagnostics) == {"positive-ratio", "top-p-mass", "amplified-fraction"}
+        for key, value in diagnostics.items():
+            assert result.diagnostics[key] == pytest.approx(value, rel=1e-9), key
         assert set(result.update.delta) == set(delta)
         for name in delta:
             torch.testing.assert_close(result.update.delta[name], delta[name], rtol=1e-9, atol=1e-12)
@@ -132,7 +141,7 @@ def test_batchnorm_statistics_are_each_clients_own():
         state, received, [Stream(client_batches(c, 2, 16)) for c in range(2)], lr=1e-2, local_steps=2,
         global_step=4)
     for c, result in enumerate(results):
-        delta, v, _ = one_client(copy.deepcopy(model), algorithm, state, received, client_batches(c, 2, 16), 1e-2,
+        delta, v, _, _ = one_client(copy.deepcopy(model), algorithm, state, received, client_batches(c, 2, 16), 1e-2,
                                  2, 4)
         assert result.update.delta["bn1.num_batches_tracked"] == delta["bn1.num_batches_tracked"] == 2
         assert result.update.delta["bn1.running_mean"].abs().max() > 0
@@ -155,7 +164,7 @@ def test_cuda_each_client_steps_as_if_alone(scope):
         state, received, [Stream(client_batches(c, 3), "cuda") for c in range(3)], lr=1e-2, local_steps=3,
         global_step=6)
     for c, result in enumerate(results):
-        delta, v, loss = one_client(small_vit().cuda(), algorithm, state, received, client_batches(c, 3), 1e-2, 3, 6)
+        delta, v, loss, _ = one_client(small_vit().cuda(), algorithm, state, received, client_batches(c, 3), 1e-2, 3, 6)
         for name in delta:
             torch.testing.assert_close(result.update.delta[name], delta[name], rtol=1e-9, atol=1e-12)
         for name in v:
@@ -176,7 +185,7 @@ def test_a_second_round_starts_afresh():
                                lr=1e-2, local_steps=2, global_step=2)
     assert first[0].loss != second[0].loss
     for c in range(2):
-        delta, _, _ = one_client(small_vit(), algorithm, state, received, client_batches(c, 2), 1e-2, 2, 2)
+        delta, _, _, _ = one_client(small_vit(), algorithm, state, received, client_batches(c, 2), 1e-2, 2, 2)
         for name in delta:
             torch.testing.assert_close(second[c].update.delta[name], delta[name], rtol=1e-9, atol=1e-12)
 
