@@ -13,7 +13,8 @@ a Δ_G. Each round runs both, in alternating order, timed between two synchroniz
 device; the first round (allocations, kernel choice) is left out, and the figures are medians
 over the rest, with their range.
 
-It prints how far the batched replies are from the loop's: the largest |Δ_batched − Δ_loop| over
+On CUDA it prints each side's peak of device memory a round. It prints how far the batched
+replies are from the loop's: the largest |Δ_batched − Δ_loop| over
 all coordinates, as a fraction of the largest |Δ_loop|, and the share of coordinates that differ
 by more than 1e-3 of it. They differ by the rounding of batched products, and where that
 rounding decides a top-k (scores equal in exact arithmetic, such as the key bias's 0 gradients)
@@ -112,12 +113,18 @@ class Clients:
             torch.cuda.synchronize(self.device)
 
 
-def timed(fn, clients: Clients, *args) -> tuple[float, list[ClientUpdate]]:
+def timed(fn, clients: Clients, *args) -> tuple[float, list[ClientUpdate], int]:
+    """Seconds of ``fn(*args)``, its replies, and on CUDA the peak of the device memory it
+    allocated (0 elsewhere)."""
+    cuda = clients.device.type == "cuda"
     clients.synchronize()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(clients.device)
     started = time.perf_counter()
     updates = fn(*args)
     clients.synchronize()
-    return time.perf_counter() - started, updates
+    seconds = time.perf_counter() - started
+    return seconds, updates, torch.cuda.max_memory_allocated(clients.device) if cuda else 0
 
 
 def difference(batched: list[ClientUpdate], loop: list[ClientUpdate]) -> tuple[float, float]:
@@ -187,13 +194,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.batch_size}; {cfg.algorithm.name} (trust_scope={cfg.algorithm.trust_scope}), "
           f"precision={cfg.precision}; on {clients.device} ({name}), {torch.get_num_threads()} CPU threads")
     times: dict[str, list[float]] = {"loop": [], "batched": []}
+    peaks = {"loop": 0, "batched": 0}
     gaps = []
     for server_round in range(1, args.rounds + 1):
         lr = cosine_lr(server_round, args.rounds, cfg.algorithm.lr, cfg.algorithm.lr_min)
         sides = [("loop", clients.loop), ("batched", clients.at_once)]
         updates = {}
         for side, fn in sides if server_round % 2 else sides[::-1]:
-            seconds, updates[side] = timed(fn, clients, server_round, lr, args.local_steps)
+            seconds, updates[side], peak = timed(fn, clients, server_round, lr, args.local_steps)
+            peaks[side] = max(peaks[side], peak)
             if server_round > 1:
                 times[side].append(seconds)
         gaps.append(difference(updates["batched"], updates["loop"]))
@@ -206,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(values)
         print(f"  {label:<32}{median:8.3f}  [{min(values):.3f}-{max(values):.3f}]  {1e3 * median / steps:8.2f}")
     print(f"  loop / batched: {loop / batched:.2f}x")
+    if clients.device.type == "cuda":
+        print(f"peak GPU memory a round (torch's allocator), MiB: loop {peaks['loop'] / 2**20:,.0f} / "
+              f"batched {peaks['batched'] / 2**20:,.0f}")
     worst = max(g[0] for g in gaps)
     share = max(g[1] for g in gaps)
     print(f"batched against loop replies: max |dDelta| / max |Delta| = {worst:.2e}; coordinates off by more "
