@@ -9,21 +9,26 @@ one :class:`~fedact_app.optim.FedACTAdamW` whose parameters are the rows
 (``trust_scope="global"``: one top-⌊τd⌋ selection per row, the seed's s ∈ R^d of each client) or
 each row's views shaped like the model's tensors (``"tensor"``: one selection per client and
 tensor). Its tensor scope selects within each of its parameters, which is why the rows are the
-parameters. So a step of C clients runs about as many PyTorch operations as a step of one
-(``scripts/bench_client_batch.py`` counts them): on a GPU, where a client's step is bound by
-launching kernels, the C clients' steps then share the launches.
+parameters. So a step of C clients runs about as many PyTorch operations as a step of one: on a
+GPU, where a client's step is bound by launching kernels, the C clients' steps share the
+launches. A ClientApp trains one client a message (:mod:`fedact_app.client_trainer`);
+``scripts/bench_client_batch.py`` measures this against the same clients one after another.
 
 Each client's step is the step :class:`FedACTAdamW` takes for that client alone, from the same
 batches; the batched matrix products may round differently from one client's (in float64 the
 two agree to 1e-9 relative or better, ``tests/test_client_batch.py``). What must hold for that:
 
-- every trainable parameter takes part in every client's loss: a parameter without a gradient
-  counts in d here (its gradient is 0), where a single client's FedACTAdamW skips it;
+- every trainable parameter takes part in every client's loss (a single client's FedACTAdamW
+  leaves a parameter without a gradient out of d): the first step refuses a model where one
+  gets no gradient;
 - the buffers of the state (BatchNorm's running statistics) are each client's own, ``[C, ...]``
   like the parameters, and their change is part of the client's Δ, as for a single client;
-- timm's attention runs its unfused path (``fused_attn = False``, a copy of the model is made
-  for the clients): ``vmap`` has no batching rule for the fused attention kernels and would run
-  them one client after another.
+- the model trains without random layers (dropout, stochastic depth): ``vmap`` would draw the
+  clients' randomness otherwise than a client alone; such a model is refused at its first step;
+- on the CPU, timm's attention runs its unfused path (``fused_attn = False`` on the copy of the
+  model the clients share): ``vmap`` has no batching rule for the CPU's fused attention kernel
+  and would run it one client after another. CUDA's fused attention kernels have batching rules
+  and stay.
 
 The gradients, the state and the selection's buffers are C times a single client's. Each
 client's trust-score diagnostics (:class:`fedact_app.diagnostics.TrustProbe`) are its own, taken
@@ -64,16 +69,19 @@ class ClientBatch:
     """C clients of the FedACT family trained at once on the device of ``model``.
 
     Args:
-        model: the clients' architecture; it is copied, its values are never read (each round
-            starts from the ``state`` given).
+        model: the clients' architecture; it is copied, and each round loads the ``state``
+            given into the copy (a buffer the state does not hold, such as a non-persistent one,
+            keeps the copy's value; the trainable tensors are the rows).
         algorithm: the method's config (``fedact``, ``fedadamw`` or ``fedact_local``): its lr
             schedule is the caller's, everything else (betas, eps, weight decay, rho, tau,
             alpha, gamma, trust scope and signal, scale_matched, fused, compile) applies as in
             :class:`~fedact_app.algorithms.FedACTLocal`.
         clients: C, the number of clients each :meth:`train_round` trains.
-        loss_fn: ``loss_fn(module, batch) -> (loss, examples)``, a task's training loss
-            (:meth:`fedact_app.tasks.base.Task.loss`); it is called inside ``vmap`` with one
-            client's batch, so it must only compute on tensors (no ``.item()``).
+        loss_fn: ``loss_fn(module, batch) -> (loss, examples)``, a training loss such as
+            :func:`fedact_app.train.classification_loss`; it is called inside ``vmap`` with one
+            client's batch and a ``module`` that takes the model's positional and keyword
+            inputs, so it must only compute on tensors (no ``.item()``, no memory format other
+            than contiguous).
         precision: ``fp32`` or ``bf16`` (:func:`fedact_app.train.autocast`).
         trust_every, top_p: the clients' diagnostics (``diagnostics.trust_every``, ``.top_p``;
             ``trust_every=0``: none), as :class:`~fedact_app.diagnostics.TrustProbe` takes them.
@@ -87,11 +95,19 @@ class ClientBatch:
                              f"algorithm={algorithm.name!r}")
         if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
             raise ValueError(f"Invalid clients: {clients!r}; expected an integer >= 1")
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"Invalid precision: {precision!r}; expected 'fp32' or 'bf16'")
         self.template = copy.deepcopy(model)
-        for module in self.template.modules():
-            if hasattr(module, "fused_attn"):  # timm's attention: the unfused path has batching rules
-                module.fused_attn = False
         self.named = [(name, p) for name, p in self.template.named_parameters() if p.requires_grad]
+        if not self.named:
+            raise ValueError("ClientBatch needs a model with trainable parameters; this one has none")
+        if len({(p.dtype, p.device) for _, p in self.named}) > 1:
+            raise ValueError("ClientBatch needs every trainable parameter on one device and of one dtype; got "
+                             f"{sorted({f'{p.dtype} on {p.device}' for _, p in self.named})}")
+        if self.named[0][1].device.type == "cpu":
+            for module in self.template.modules():
+                if hasattr(module, "fused_attn"):  # timm's attention (module docstring)
+                    module.fused_attn = False
         self.clients, self.loss_fn, self.precision = clients, loss_fn, precision
         self.trust_every, self.top_p = trust_every, top_p
         self.offsets = [0]
@@ -126,6 +142,7 @@ class ClientBatch:
         self.rule = ALGORITHMS[algorithm.name].local(replace(algorithm, trust_scope="tensor"))
         self.optimizer = self.rule.make_optimizer([(str(i), p) for i, p in enumerate(self.params)])
         self._pairs: tuple[int, list[tuple[Tensor, Tensor]] | None] = (0, None)
+        self._checked = False  # whether a step has shown that every trainable parameter gets a gradient
 
     def _stacked(self, rows: Tensor) -> dict[str, Tensor]:
         """The model's trainable tensors as [C, ...] views of the clients' ``rows``."""
@@ -162,8 +179,8 @@ class ClientBatch:
         return pairs[client * per_client:(client + 1) * per_client]
 
     def _client_loss(self, params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
-        def module(*inputs):
-            return functional_call(self.template, {**params, **buffers}, inputs)
+        def module(*args, **kwargs):
+            return functional_call(self.template, {**params, **buffers}, args, kwargs)
         loss, self._examples = self.loss_fn(module, batch)
         return loss
 
@@ -177,8 +194,13 @@ class ClientBatch:
         if len(batches) != self.clients:
             raise ValueError(f"train_round got {len(batches)} clients' batches for a ClientBatch of "
                              f"{self.clients} clients")
-        self.template.load_state_dict(state, strict=False)  # what is not trained: buffers, frozen tensors
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"Invalid local_steps: {local_steps!r}; expected an integer >= 1")
         names = [name for name, _ in self.named]
+        if missing := [name for name in names if name not in state]:
+            raise ValueError(f"The state lacks {len(missing)} of the model's trainable tensors, e.g. {missing[:3]}")
+        self.template.load_state_dict(state, strict=False)  # what is not trained: buffers, frozen tensors
+        self.template.train()
         self.weights.copy_(self._flat([state[name] for name in names]).expand(self.clients, -1))
         # each client's own copy of the buffers the state carries (BatchNorm's running statistics),
         # written in place by the forward
@@ -194,20 +216,37 @@ class ClientBatch:
         probes = [TrustProbe(self.trust_every, self.top_p, direction=functools.partial(self._client_pairs, c),
                              amplified=lambda: self.rule.amplified_fraction(self.optimizer))
                   for c in range(self.clients)]
-        losses = vmap(self._client_loss)
+        losses = vmap(self._client_loss)  # randomness="error": a random layer raises (module docstring)
         loss_sum = torch.zeros(self.clients, dtype=torch.float64, device=self.device)
         examples = 0
         for step in range(1, local_steps + 1):
             batch = tree_map(lambda *leaves: torch.stack(leaves), *[b.next_batch() for b in batches])
             self.grads.zero_()
-            with autocast(self.device, self.precision):
-                loss = losses(self.leaves, buffers, batch)
+            try:
+                with autocast(self.device, self.precision):
+                    loss = losses(self.leaves, buffers, batch)
+            except RuntimeError as err:
+                if "randomness" not in str(err):
+                    raise
+                raise ValueError("ClientBatch trains models without random layers in training (dropout, "
+                                 "stochastic depth): this model draws random numbers in its forward") from err
+            reached: set[str] = set()
+            hooks = [] if self._checked else [
+                leaf.register_post_accumulate_grad_hook(lambda _, name=name: reached.add(name))
+                for name, leaf in self.leaves.items()]
             with warnings.catch_warnings():
                 # a leaf's rows are d apart in `weights` and its gradient's in `grads` (each row
                 # one client's flat parameters): autograd warns that this is not the layout a
                 # fresh gradient would have
                 warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
                 loss.sum().backward()
+            if hooks:
+                for hook in hooks:
+                    hook.remove()
+                if unused := [name for name in self.leaves if name not in reached]:
+                    raise ValueError(f"ClientBatch needs every trainable parameter in the loss; {len(unused)} got "
+                                     f"no gradient, e.g. {unused[:3]} (freeze them: requires_grad=False)")
+                self._checked = True
             if any(leaf.grad is not grad for leaf, grad in zip(self.leaves.values(), self.leaf_grads)):
                 raise RuntimeError("autograd replaced a gradient of ClientBatch instead of accumulating into it")
             self.optimizer.step()
@@ -226,4 +265,5 @@ class ClientBatch:
             update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,
                                   num_examples=examples, arrays={"v": v})
             results.append(BatchedResult(update, mean_loss, probes[c].summary()))
+        self._pairs = (0, None)  # the last sampled step's u: C x d, not kept past the round
         return results

@@ -22,7 +22,8 @@ by a factor α/γ on those coordinates.
 
 ``--profile`` counts the PyTorch operations of a step (``aten::`` events of ``torch.profiler``,
 nested ones and views included; a round of K = 3 less one of K = 1, halved) and on CUDA its
-kernels, for the loop's C single-client steps and for the batched step: on a GPU, where a client's step is bound by
+kernels and copies as the profiler lists them (``bench_optimizer.own_time_events``), for the
+loop's C single-client steps and for the batched step: on a GPU, where a client's step is bound by
 launching kernels, that ratio bounds what batching can gain.
 """
 
@@ -42,15 +43,16 @@ for _path in (APP_DIR, APP_DIR / "scripts"):
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict, aligned  # noqa: E402
-from bench_round import PAPER_OVERRIDES  # noqa: E402  (scripts/)
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict  # noqa: E402
+from bench_optimizer import own_time_events  # noqa: E402  (scripts/)
+from bench_round import PAPER_OVERRIDES, plain_client_round  # noqa: E402  (scripts/)
 from fedact_app.client_batch import ClientBatch  # noqa: E402
 from fedact_app.config import Config, compose  # noqa: E402
 from fedact_app.registry import FEDACT_FAMILY  # noqa: E402
 from fedact_app.tasks.vision.batches import BatchStream  # noqa: E402
 from fedact_app.tasks.vision.data import load_client_train  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
-from fedact_app.train import batch_generator, classification_loss, cosine_lr, resolve_device, train_steps  # noqa: E402
+from fedact_app.train import batch_generator, classification_loss, cosine_lr, resolve_device  # noqa: E402
 
 SMALL_OVERRIDES = ("dataset=synthetic dataset.num_classes=100 dataset.image_size=32 dataset.channels=3 "
                    "dataset.mean=[0.5,0.5,0.5] dataset.std=[0.25,0.25,0.25] dataset.num_train=2000 "
@@ -85,23 +87,10 @@ class Clients:
 
     def loop(self, server_round: int, lr: float, steps: int) -> list[ClientUpdate]:
         """The clients one after another, as ``ClientTrainer.train_round`` trains each."""
-        received = {key: {n: t.to(self.device) for n, t in arrays.items()}
-                    for key, arrays in self.server.broadcast().items()}
-        updates = []
-        for stream in self.streams(server_round):
-            self.model.load_state_dict(self.x)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.begin_round(v_bar=aligned(received, "v_bar", self.named),
-                                       delta_g=aligned(received, "delta_g", self.named),
-                                       global_step=(server_round - 1) * steps)
-            stats = train_steps(self.model, self.optimizer, stream, steps, self.cfg.precision)
-            state = self.model.state_dict()
-            v = {name: t.detach().cpu().clone() for (name, _), t in zip(self.named, self.optimizer.second_moments())}
-            updates.append(ClientUpdate(delta={n: state[n].detach().cpu() - self.x[n] for n in self.x},
-                                        num_steps=steps, lr_sum=lr * steps, num_examples=stats.num_examples,
-                                        arrays={"v": v}))
-        return updates
+        broadcast = self.server.broadcast()
+        return [plain_client_round(self.model, self.optimizer, self.named, self.x, broadcast, stream, lr=lr,
+                                   server_round=server_round, local_steps=steps, precision=self.cfg.precision)
+                for stream in self.streams(server_round)]
 
     def at_once(self, server_round: int, lr: float, steps: int) -> list[ClientUpdate]:
         results = self.batched.train_round(self.x, self.server.broadcast(), self.streams(server_round), lr=lr,
@@ -146,8 +135,8 @@ def operation_counts(clients: Clients) -> dict[str, tuple[float, float]]:
             fn(2, 1e-3, steps)
             clients.synchronize()
         events = prof.events()
-        return (sum(1 for e in events if e.name.startswith("aten::")),
-                sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA))
+        device_events = own_time_events(events, cuda=True) if clients.device.type == "cuda" else []
+        return sum(1 for e in events if e.name.startswith("aten::")), len(device_events)
 
     counts = {}
     for name, fn in (("loop", clients.loop), ("batched", clients.at_once)):
@@ -185,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.task != "vision" or cfg.algorithm.name not in FEDACT_FAMILY:
         raise SystemExit(f"bench_client_batch runs task=vision with the FedACT family {FEDACT_FAMILY}, "
                          f"not task={cfg.task} algorithm={cfg.algorithm.name}")
-    if cfg.compile_model != "none":
-        raise SystemExit("bench_client_batch compares eager steps: leave compile_model=none")
+    if cfg.compile_model != "none" or cfg.channels_last:
+        raise SystemExit("bench_client_batch compares eager steps in the contiguous memory format: leave "
+                         "compile_model=none and channels_last=false")
     clients = Clients(cfg, args.clients)
     d = sum(p.numel() for _, p in clients.named)
     name = torch.cuda.get_device_name(clients.device) if clients.device.type == "cuda" else "CPU"
@@ -228,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"a step of all {args.clients} clients: aten ops loop {loop_ops:,.0f} / batched {batched_ops:,.0f} = "
               f"{loop_ops / batched_ops:.2f}x", end="")
         if clients.device.type == "cuda":
-            print(f"; CUDA kernels loop {loop_kernels:,.0f} / batched {batched_kernels:,.0f} = "
+            print(f"; CUDA kernels and copies loop {loop_kernels:,.0f} / batched {batched_kernels:,.0f} = "
                   f"{loop_kernels / max(batched_kernels, 1):.2f}x", end="")
         print()
     return 0

@@ -159,6 +159,28 @@ def server_check_seconds(updates: list[ClientUpdate], x: TensorDict, trainable: 
     return time.perf_counter() - start
 
 
+def plain_client_round(model: torch.nn.Module, optimizer: FedACTAdamW, named: list, x: TensorDict,
+                       broadcast: dict[str, TensorDict], batches, *, lr: float, server_round: int,
+                       local_steps: int, precision: str, channels_last: bool = False,
+                       train_module: torch.nn.Module | None = None) -> ClientUpdate:
+    """One client's round in the plain loop, as ``ClientTrainer.train_round`` takes it: from x^r
+    with the server's ``broadcast`` (CPU tensors), K = ``local_steps`` steps on ``batches``."""
+    device = next(model.parameters()).device
+    model.load_state_dict(x)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.begin_round(
+        **{key: [broadcast[key][name].to(device) for name, _ in named] if key in broadcast else None
+           for key in ("v_bar", "delta_g")},
+        global_step=(server_round - 1) * local_steps)
+    stats = train_steps(model, optimizer, batches, local_steps, precision, channels_last, train_module=train_module)
+    state = model.state_dict()
+    delta = {name: state[name].detach().cpu() - x[name] for name in x}
+    v = {name: t.detach().cpu().clone() for (name, _), t in zip(named, optimizer.second_moments())}
+    return ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,
+                        num_examples=stats.num_examples, arrays={"v": v})
+
+
 def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
     """The same rounds in one process: seconds of client compute, aggregation and
     (de)serialization (what Flower adds to the round's messages) per round."""
@@ -185,22 +207,12 @@ def plain_rounds(cfg: Config, rounds: int) -> list[dict]:
         started = time.perf_counter()
         updates = []
         for client in range(cfg.num_clients):
-            model.load_state_dict(x)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.begin_round(
-                **{key: [broadcast[key][name].to(device) for name, _ in named] if key in broadcast else None
-                   for key in ("v_bar", "delta_g")},
-                global_step=(server_round - 1) * cfg.local_steps)
             batches = BatchStream(data[client], cfg.batch_size, cfg.dataset.augment,
                                   batch_generator(cfg.seed, server_round, client, device))
-            stats = train_steps(model, optimizer, batches, cfg.local_steps, cfg.precision, cfg.channels_last,
-                                train_module=train_module)
-            state = model.state_dict()
-            delta = {name: state[name].detach().cpu() - x[name] for name in x}
-            v = {name: t.detach().cpu().clone() for (name, _), t in zip(named, optimizer.second_moments())}
-            updates.append(ClientUpdate(delta=delta, num_steps=cfg.local_steps, lr_sum=lr * cfg.local_steps,
-                                        num_examples=stats.num_examples, arrays={"v": v}))
+            updates.append(plain_client_round(model, optimizer, named, x, broadcast, batches, lr=lr,
+                                              server_round=server_round, local_steps=cfg.local_steps,
+                                              precision=cfg.precision, channels_last=cfg.channels_last,
+                                              train_module=train_module))
         computed = time.perf_counter()
         checks = server_check_seconds(updates, x, trainable, server)
         x = server.aggregate(x, updates)

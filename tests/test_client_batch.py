@@ -53,10 +53,12 @@ def client_batches(client: int, steps: int, size: int = 8) -> list[tuple[torch.T
              torch.randint(0, 5, (BATCH,), generator=generator)) for _ in range(steps)]
 
 
-def one_client(model, algorithm, state, received, batches, lr, steps, global_step, trust_every=0):
-    """The reference: one client's round with its own FedACTAdamW, as ClientTrainer takes it,
-    and its TrustProbe's summary."""
+def one_client(model, algorithm, state, received, batches, lr, steps, global_step, trust_every=0,
+               precision="fp32"):
+    """The reference: one client's round with its own FedACTAdamW, as ClientTrainer takes it
+    (in train mode, the forward under ``precision``), and its TrustProbe's summary."""
     model.load_state_dict(state)
+    model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     a = algorithm
     optimizer = FedACTAdamW([p for _, p in named], lr=lr, betas=tuple(a.betas), eps=a.eps,
@@ -72,7 +74,8 @@ def one_client(model, algorithm, state, received, batches, lr, steps, global_ste
     device = next(model.parameters()).device
     for images, labels in ((images.to(device), labels.to(device)) for images, labels in batches):
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(images), labels)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
         probe.after_step(len(losses) + 1)
@@ -105,13 +108,13 @@ def test_each_client_steps_as_if_alone(settings):
     state = {n: t.clone() for n, t in model.state_dict().items()}
     received = server_arrays(model, 7)
     clients, steps, lr = 3, 3, 1e-2
-    batch = ClientBatch(model, algorithm, clients, classification_loss, trust_every=2, top_p=TOP_P)
+    batch = ClientBatch(model, algorithm, clients, classification_loss, trust_every=1, top_p=TOP_P)
     results = batch.train_round(state, received, [Stream(client_batches(c, steps)) for c in range(clients)],
                                 lr=lr, local_steps=steps, global_step=6)
     assert len(results) == clients
     for c, result in enumerate(results):
         delta, v, loss, diagnostics = one_client(small_vit(), algorithm, state, received, client_batches(c, steps),
-                                                 lr, steps, 6, trust_every=2)
+                                                 lr, steps, 6, trust_every=1)
         assert set(result.diagnostics) == set(diagnostics) == {"positive-ratio", "top-p-mass", "amplified-fraction"}
         for key, value in diagnostics.items():
             assert result.diagnostics[key] == pytest.approx(value, rel=1e-9), key
@@ -137,12 +140,14 @@ def test_batchnorm_statistics_are_each_clients_own():
     algorithm = dataclasses.replace(AlgorithmConfig(), name="fedact", lr=1e-2)
     state = {n: t.clone() for n, t in model.state_dict().items()}
     received = server_arrays(model, 5)
-    results = ClientBatch(model, algorithm, 2, classification_loss).train_round(
+    # a model handed over in eval mode trains in train mode, as train_steps trains a client's
+    results = ClientBatch(copy.deepcopy(model).eval(), algorithm, 2, classification_loss).train_round(
         state, received, [Stream(client_batches(c, 2, 16)) for c in range(2)], lr=1e-2, local_steps=2,
         global_step=4)
     for c, result in enumerate(results):
-        delta, v, _, _ = one_client(copy.deepcopy(model), algorithm, state, received, client_batches(c, 2, 16), 1e-2,
-                                 2, 4)
+        delta, v, loss, _ = one_client(copy.deepcopy(model), algorithm, state, received, client_batches(c, 2, 16),
+                                       1e-2, 2, 4)
+        assert result.loss == pytest.approx(loss, rel=1e-12)
         assert result.update.delta["bn1.num_batches_tracked"] == delta["bn1.num_batches_tracked"] == 2
         assert result.update.delta["bn1.running_mean"].abs().max() > 0
         for name in delta:
@@ -173,21 +178,55 @@ def test_cuda_each_client_steps_as_if_alone(scope):
 
 
 def test_a_second_round_starts_afresh():
-    """The state of round r (m, the rows) does not leak into round r + 1."""
+    """Nothing of round r (m, v, Delta_G, the rows, the probes' pairs) leaks into round r + 1:
+    a round with the server's arrays, then one without (v_bar and Delta_G zeros), each as its
+    clients alone take it."""
     algorithm = dataclasses.replace(AlgorithmConfig(), name="fedact", lr=1e-2)
     model = small_vit()
     state = {n: t.clone() for n, t in model.state_dict().items()}
-    batch = ClientBatch(model, algorithm, 2, classification_loss)
-    first = batch.train_round(state, {}, [Stream(client_batches(c + 5, 2)) for c in range(2)],
-                              lr=1e-2, local_steps=2, global_step=0)
-    received = server_arrays(model, 3)
-    second = batch.train_round(state, received, [Stream(client_batches(c, 2)) for c in range(2)],
-                               lr=1e-2, local_steps=2, global_step=2)
-    assert first[0].loss != second[0].loss
+    batch = ClientBatch(model, algorithm, 2, classification_loss, trust_every=1, top_p=TOP_P)
+    for received, offset, global_step in ((server_arrays(model, 3), 5, 0), ({}, 0, 2)):
+        results = batch.train_round(state, received, [Stream(client_batches(c + offset, 2)) for c in range(2)],
+                                    lr=1e-2, local_steps=2, global_step=global_step)
+        for c, result in enumerate(results):
+            delta, v, loss, diagnostics = one_client(small_vit(), algorithm, state, received,
+                                                     client_batches(c + offset, 2), 1e-2, 2, global_step,
+                                                     trust_every=1)
+            for name in delta:
+                torch.testing.assert_close(result.update.delta[name], delta[name], rtol=1e-9, atol=1e-12)
+            for name in v:
+                torch.testing.assert_close(result.update.arrays["v"][name], v[name], rtol=1e-9, atol=1e-15)
+            assert result.loss == pytest.approx(loss, rel=1e-12)
+            assert result.diagnostics == pytest.approx(diagnostics, rel=1e-9)
+
+
+def test_bf16_autocast_within_its_rounding():
+    """precision=bf16: the forward under bfloat16 autocast, as a client's. FedAdamW (no top-k, so
+    no coordinate changes sides), float32: each client's batched Delta is as far from its Delta
+    alone under bf16 as bf16 puts that from float32's (a few %: Adam's first steps divide by
+    |g|), where float32 batched and alone agree to 1e-5."""
+    algorithm = dataclasses.replace(AlgorithmConfig(), name="fedadamw", trust_signal="none", lr=1e-2)
+    model = small_vit().float()
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    batches = [[(images.float(), labels) for images, labels in client_batches(c, 2)] for c in range(2)]
+    rounds = {precision: ClientBatch(model, algorithm, 2, classification_loss, precision=precision).train_round(
+        state, {}, [Stream(b) for b in batches], lr=1e-2, local_steps=2, global_step=0)
+        for precision in ("bf16", "fp32")}
     for c in range(2):
-        delta, _, _, _ = one_client(small_vit(), algorithm, state, received, client_batches(c, 2), 1e-2, 2, 2)
-        for name in delta:
-            torch.testing.assert_close(second[c].update.delta[name], delta[name], rtol=1e-9, atol=1e-12)
+        alone = {precision: one_client(small_vit().float(), algorithm, state, {}, batches[c], 1e-2, 2, 0,
+                                       precision=precision) for precision in ("bf16", "fp32")}
+
+        def flat(delta):
+            return torch.cat([delta[n].reshape(-1) for n in sorted(delta)])
+
+        def gap(a, b):
+            return float((flat(a) - flat(b)).norm() / flat(b).norm())
+
+        bf16_effect = gap(alone["fp32"][0], alone["bf16"][0])
+        assert bf16_effect > 1e-3  # autocast changed the step
+        assert gap(rounds["bf16"][c].update.delta, alone["bf16"][0]) < 3 * bf16_effect
+        assert gap(rounds["fp32"][c].update.delta, alone["fp32"][0]) < 1e-5
+        assert rounds["bf16"][c].loss == pytest.approx(alone["bf16"][2], rel=1e-3)
 
 
 def test_refuses_what_it_cannot_batch():
@@ -196,6 +235,35 @@ def test_refuses_what_it_cannot_batch():
         ClientBatch(vit, dataclasses.replace(AlgorithmConfig(), name="fedavg"), 2, classification_loss)
     with pytest.raises(ValueError, match="Invalid clients: 0"):
         ClientBatch(vit, AlgorithmConfig(), 0, classification_loss)
+    with pytest.raises(ValueError, match="Invalid precision: 'fp16'"):
+        ClientBatch(vit, AlgorithmConfig(), 2, classification_loss, precision="fp16")
+    frozen = small_vit().requires_grad_(False)
+    with pytest.raises(ValueError, match="trainable parameters; this one has none"):
+        ClientBatch(frozen, AlgorithmConfig(), 2, classification_loss)
     batch = ClientBatch(vit, AlgorithmConfig(), 2, classification_loss)
+    state = vit.state_dict()
     with pytest.raises(ValueError, match="got 1 clients' batches for a ClientBatch of 2"):
-        batch.train_round(vit.state_dict(), {}, [Stream([])], lr=1e-3, local_steps=1, global_step=0)
+        batch.train_round(state, {}, [Stream([])], lr=1e-3, local_steps=1, global_step=0)
+    with pytest.raises(ValueError, match="Invalid local_steps: 0"):
+        batch.train_round(state, {}, [Stream([]), Stream([])], lr=1e-3, local_steps=0, global_step=0)
+    with pytest.raises(ValueError, match="lacks 1 of the model's trainable tensors.*head.bias"):
+        batch.train_round({n: t for n, t in state.items() if n != "head.bias"}, {}, [Stream([]), Stream([])],
+                          lr=1e-3, local_steps=1, global_step=0)
+
+
+def test_refuses_a_parameter_outside_the_loss_and_a_random_layer():
+    """Either would make a client's step differ from the client's alone without a word: an unused
+    parameter counts in d here, and vmap draws dropout's randomness otherwise."""
+    unused = small_vit()
+    unused.spare = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    batch = ClientBatch(unused, AlgorithmConfig(), 2, classification_loss)
+    with pytest.raises(ValueError, match=r"1 got no gradient, e.g. \['spare'\]"):
+        batch.train_round(unused.state_dict(), {}, [Stream(client_batches(c, 1)) for c in range(2)], lr=1e-3,
+                          local_steps=1, global_step=0)
+    torch.manual_seed(0)
+    dropout = VisionTransformer(img_size=8, patch_size=4, in_chans=3, num_classes=5, embed_dim=12, depth=1,
+                                num_heads=2, qkv_bias=False, drop_rate=0.1).double()
+    batch = ClientBatch(dropout, AlgorithmConfig(), 2, classification_loss)
+    with pytest.raises(ValueError, match="without random layers"):
+        batch.train_round(dropout.state_dict(), {}, [Stream(client_batches(c, 1)) for c in range(2)], lr=1e-3,
+                          local_steps=1, global_step=0)

@@ -168,9 +168,18 @@ def test_synthetic_images_are_drawn_only_where_they_are_read():
     train, _, _, _ = data._splits_cached(data._dataset_key(cfg.dataset), None, cfg.seed)
     rows = partition.partition_indices(train.labels, 2, cfg.partition, seed=cfg.seed)[0]
     assert 0 < len(rows) < len(train)
-    whole = train.all_images.array()
-    assert np.array_equal(train.all_images.take(rows), whole[rows])
+    alone = train.all_images.take(rows)  # drawn for these rows alone
+    assert train.all_images._array is None
+    assert np.array_equal(alone, train.all_images.array()[rows])
     torch.testing.assert_close(client.images, to_image_tensors(train.select(rows), cfg.dataset).images)
+
+    fresh, _ = splits._synthetic_splits(synthetic_cfg(), 5)  # a draw that raised is tried again
+    draw = fresh.all_images._draw
+    failures = [RuntimeError("no memory")]
+    fresh.all_images._draw = lambda rows: (_ for _ in ()).throw(failures.pop()) if failures else draw(rows)
+    with pytest.raises(RuntimeError, match="no memory"):
+        fresh.all_images.array()
+    assert np.array_equal(fresh.all_images.array(), splits._synthetic_splits(synthetic_cfg(), 5)[0].images)
 
     calls = []
     lazy = splits.LazyImages(lambda rows: calls.append(1) or time.sleep(0.05) or np.zeros(len(rows)), 3)
