@@ -25,7 +25,7 @@ two agree to 1e-9 relative or better, ``tests/test_client_batch.py``). What must
   like the parameters, and their change is part of the client's Δ, as for a single client;
 - the model trains without random layers (dropout, stochastic depth): ``vmap`` would draw the
   clients' randomness otherwise than a client alone; such a model is refused at its first step;
-- on the CPU, timm's attention runs its unfused path (``fused_attn = False`` on the copy of the
+- off CUDA, timm's attention runs its unfused path (``fused_attn = False`` on the copy of the
   model the clients share): ``vmap`` has no batching rule for the CPU's fused attention kernel
   and would run it one client after another. CUDA's fused attention kernels have batching rules
   and stay.
@@ -104,7 +104,7 @@ class ClientBatch:
         if len({(p.dtype, p.device) for _, p in self.named}) > 1:
             raise ValueError("ClientBatch needs every trainable parameter on one device and of one dtype; got "
                              f"{sorted({f'{p.dtype} on {p.device}' for _, p in self.named})}")
-        if self.named[0][1].device.type == "cpu":
+        if self.named[0][1].device.type != "cuda":
             for module in self.template.modules():
                 if hasattr(module, "fused_attn"):  # timm's attention (module docstring)
                     module.fused_attn = False
@@ -226,7 +226,7 @@ class ClientBatch:
                 with autocast(self.device, self.precision):
                     loss = losses(self.leaves, buffers, batch)
             except RuntimeError as err:
-                if "randomness" not in str(err):
+                if "randomness error mode" not in str(err):
                     raise
                 raise ValueError("ClientBatch trains models without random layers in training (dropout, "
                                  "stochastic depth): this model draws random numbers in its forward") from err
@@ -234,15 +234,18 @@ class ClientBatch:
             hooks = [] if self._checked else [
                 leaf.register_post_accumulate_grad_hook(lambda _, name=name: reached.add(name))
                 for name, leaf in self.leaves.items()]
-            with warnings.catch_warnings():
-                # a leaf's rows are d apart in `weights` and its gradient's in `grads` (each row
-                # one client's flat parameters): autograd warns that this is not the layout a
-                # fresh gradient would have
-                warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
-                loss.sum().backward()
-            if hooks:
+            try:
+                with warnings.catch_warnings():
+                    # a leaf's rows are d apart in `weights` and its gradient's in `grads` (each
+                    # row one client's flat parameters): autograd warns that this is not the
+                    # layout a fresh gradient would have
+                    warnings.filterwarnings("ignore",
+                                            message="grad and param do not obey the gradient layout contract")
+                    loss.sum().backward()
+            finally:
                 for hook in hooks:
                     hook.remove()
+            if hooks:
                 if unused := [name for name in self.leaves if name not in reached]:
                     raise ValueError(f"ClientBatch needs every trainable parameter in the loss; {len(unused)} got "
                                      f"no gradient, e.g. {unused[:3]} (freeze them: requires_grad=False)")

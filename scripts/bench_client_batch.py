@@ -5,7 +5,7 @@
     python scripts/bench_client_batch.py --paper --overrides "precision=bf16" --profile
 
 Both sides train the same clients from the same x^r, v̄^r and Δ_G^{r-1} on the same batches: the
-loop with one model and one FedACTAdamW, a client after another (``plain_rounds`` of
+loop with one model and one FedACTAdamW, a client after another (``plain_client_round`` of
 ``bench_round.py``, as a Flower client trains), and :class:`fedact_app.client_batch.ClientBatch`,
 all C clients in one vmapped forward and backward and one FedACTAdamW step. Between rounds the
 method's server rule aggregates the loop's replies, so every round after the first has a v̄ and
@@ -126,7 +126,7 @@ def difference(batched: list[ClientUpdate], loop: list[ClientUpdate]) -> tuple[f
 
 
 def operation_counts(clients: Clients) -> dict[str, tuple[float, float]]:
-    """(aten:: events, CUDA kernels) a step of each side: a round of K = 3 less one of K = 1,
+    """(aten:: events, CUDA kernels and copies) a step of each side: a round of K = 3 less one of K = 1,
     halved, so that what a round does once (loading x^r, making the replies) is left out."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clients.device.type == "cuda" else [])
 

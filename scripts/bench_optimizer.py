@@ -242,7 +242,7 @@ def bench_train_step(model0: torch.nn.Module, shape: tuple[int, ...], num_classe
 
 
 def own_time_events(events, cuda: bool) -> list:
-    """The profiler's averaged events whose self times add up to the step's, most first: on CUDA
+    """The profiler's events (averaged or raw) whose self times add up to the step's, most first: on CUDA
     the kernels and copies by their device time (not the operators that launch them, nor an
     annotation on the device's timeline, which span the kernels and would count them again), on
     the CPU every operator by its own CPU time."""

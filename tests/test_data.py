@@ -174,12 +174,20 @@ def test_synthetic_images_are_drawn_only_where_they_are_read():
     torch.testing.assert_close(client.images, to_image_tensors(train.select(rows), cfg.dataset).images)
 
     fresh, _ = splits._synthetic_splits(synthetic_cfg(), 5)  # a draw that raised is tried again
-    draw = fresh.all_images._draw
-    failures = [RuntimeError("no memory")]
-    fresh.all_images._draw = lambda rows: (_ for _ in ()).throw(failures.pop()) if failures else draw(rows)
+    draw, draws = fresh.all_images._draw, []
+
+    def fails_once(rows):
+        draws.append(len(rows))
+        if len(draws) == 1:
+            raise RuntimeError("no memory")
+        return draw(rows)
+
+    fresh.all_images._draw = fails_once
     with pytest.raises(RuntimeError, match="no memory"):
         fresh.all_images.array()
+    assert fresh.all_images._array is None  # nothing kept of the failed draw
     assert np.array_equal(fresh.all_images.array(), splits._synthetic_splits(synthetic_cfg(), 5)[0].images)
+    assert len(draws) == 2
 
     calls = []
     lazy = splits.LazyImages(lambda rows: calls.append(1) or time.sleep(0.05) or np.zeros(len(rows)), 3)
