@@ -30,6 +30,10 @@ two agree to 1e-9 relative or better, ``tests/test_client_batch.py``). What must
   and would run it one client after another. CUDA's fused attention kernels have batching rules
   and stay.
 
+``compile_mode`` (as a run's ``compile_model``) computes the clients' losses through
+``torch.compile`` of the vmapped function (``reduce-overhead``: CUDA graphs on a GPU), compiled at
+the first step; the backward and the optimizer step stay outside it.
+
 The gradients, the state and the selection's buffers are C times a single client's. Each
 client's trust-score diagnostics (:class:`fedact_app.diagnostics.TrustProbe`) are its own, taken
 from one ``last_step_direction`` of the sampled step for all of them.
@@ -50,6 +54,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_map
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict, aligned
+from fedact_app.config import COMPILE_MODES
 from fedact_app.diagnostics import TrustProbe
 from fedact_app.registry import FEDACT_FAMILY
 from fedact_app.train import autocast
@@ -85,11 +90,13 @@ class ClientBatch:
         precision: ``fp32`` or ``bf16`` (:func:`fedact_app.train.autocast`).
         trust_every, top_p: the clients' diagnostics (``diagnostics.trust_every``, ``.top_p``;
             ``trust_every=0``: none), as :class:`~fedact_app.diagnostics.TrustProbe` takes them.
+        compile_mode: ``none`` (eager), or the ``torch.compile`` mode of the clients' vmapped
+            loss (``default``, ``reduce-overhead``, ``max-autotune``; ``dynamic=False``).
     """
 
     def __init__(self, model: nn.Module, algorithm, clients: int,
                  loss_fn: Callable[[Any, Any], tuple[Tensor, int]], precision: str = "fp32",
-                 trust_every: int = 0, top_p: float = 0.01) -> None:
+                 trust_every: int = 0, top_p: float = 0.01, compile_mode: str = "none") -> None:
         if algorithm.name not in FEDACT_FAMILY:
             raise ValueError(f"ClientBatch trains the FedACT family {FEDACT_FAMILY}, not "
                              f"algorithm={algorithm.name!r}")
@@ -97,6 +104,8 @@ class ClientBatch:
             raise ValueError(f"Invalid clients: {clients!r}; expected an integer >= 1")
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"Invalid precision: {precision!r}; expected 'fp32' or 'bf16'")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"Invalid compile_mode: {compile_mode!r}; expected one of {COMPILE_MODES}")
         self.template = copy.deepcopy(model)
         self.named = [(name, p) for name, p in self.template.named_parameters() if p.requires_grad]
         if not self.named:
@@ -143,6 +152,11 @@ class ClientBatch:
         self.optimizer = self.rule.make_optimizer([(str(i), p) for i, p in enumerate(self.params)])
         self._pairs: tuple[int, list[tuple[Tensor, Tensor]] | None] = (0, None)
         self._checked = False  # whether a step has shown that every trainable parameter gets a gradient
+        # randomness="error" (vmap's default): a random layer raises (module docstring)
+        self.compiled = compile_mode != "none"
+        self._losses = vmap(self._client_loss)
+        if self.compiled:
+            self._losses = torch.compile(self._losses, mode=compile_mode, dynamic=False)
 
     def _stacked(self, rows: Tensor) -> dict[str, Tensor]:
         """The model's trainable tensors as [C, ...] views of the clients' ``rows``."""
@@ -216,15 +230,18 @@ class ClientBatch:
         probes = [TrustProbe(self.trust_every, self.top_p, direction=functools.partial(self._client_pairs, c),
                              amplified=lambda: self.rule.amplified_fraction(self.optimizer))
                   for c in range(self.clients)]
-        losses = vmap(self._client_loss)  # randomness="error": a random layer raises (module docstring)
         loss_sum = torch.zeros(self.clients, dtype=torch.float64, device=self.device)
         examples = 0
         for step in range(1, local_steps + 1):
             batch = tree_map(lambda *leaves: torch.stack(leaves), *[b.next_batch() for b in batches])
             self.grads.zero_()
+            if self.compiled:
+                # a new iteration for CUDA graphs (reduce-overhead): the last step's outputs may be
+                # overwritten from here on; a no-op without CUDA graphs
+                torch.compiler.cudagraph_mark_step_begin()
             try:
                 with autocast(self.device, self.precision):
-                    loss = losses(self.leaves, buffers, batch)
+                    loss = self._losses(self.leaves, buffers, batch)
             except RuntimeError as err:
                 if "randomness error mode" not in str(err):
                     raise

@@ -3,6 +3,7 @@
     python scripts/bench_client_batch.py                # ViT-Tiny at 32 px, 4 clients x K = 5, batch 8, CPU-sized
     python scripts/bench_client_batch.py --paper        # the seed's round: 10 clients x K = 50 x batch 50 (GPU)
     python scripts/bench_client_batch.py --paper --overrides "precision=bf16" --profile
+    python scripts/bench_client_batch.py --paper --overrides "compile_model=reduce-overhead precision=bf16"
 
 Both sides train the same clients from the same x^r, v̄^r and Δ_G^{r-1} on the same batches: the
 loop with one model and one FedACTAdamW, a client after another (``plain_client_round`` of
@@ -10,8 +11,10 @@ loop with one model and one FedACTAdamW, a client after another (``plain_client_
 all C clients in one vmapped forward and backward and one FedACTAdamW step. Between rounds the
 method's server rule aggregates the loop's replies, so every round after the first has a v̄ and
 a Δ_G. Each round runs both, in alternating order, timed between two synchronizations of the
-device; the first round (allocations, kernel choice) is left out, and the figures are medians
-over the rest, with their range.
+device; the first round (allocations, kernel choice, compilation) is left out, and the figures
+are medians over the rest, with their range. ``compile_model`` compiles both sides: the loop's
+model (``compiled_for_training``, as a client's) and the batch's vmapped loss
+(``ClientBatch(compile_mode=...)``).
 
 On CUDA it prints each side's peak of device memory a round. It prints how far the batched
 replies are from the loop's: the largest |Δ_batched − Δ_loop| over
@@ -52,7 +55,8 @@ from fedact_app.registry import FEDACT_FAMILY  # noqa: E402
 from fedact_app.tasks.vision.batches import BatchStream  # noqa: E402
 from fedact_app.tasks.vision.data import load_client_train  # noqa: E402
 from fedact_app.tasks.vision.models import build_model  # noqa: E402
-from fedact_app.train import batch_generator, classification_loss, cosine_lr, resolve_device  # noqa: E402
+from fedact_app.train import (batch_generator, classification_loss, compiled_for_training, cosine_lr,  # noqa: E402
+                              resolve_device)
 
 SMALL_OVERRIDES = ("dataset=synthetic dataset.num_classes=100 dataset.image_size=32 dataset.channels=3 "
                    "dataset.mean=[0.5,0.5,0.5] dataset.std=[0.25,0.25,0.25] dataset.num_train=2000 "
@@ -74,7 +78,10 @@ class Clients:
         algorithm = cfg.algorithm
         self.rule = ALGORITHMS[algorithm.name].local(algorithm)
         self.optimizer = self.rule.make_optimizer(self.named)
-        self.batched = ClientBatch(self.model, algorithm, clients, classification_loss, cfg.precision)
+        # compile_model: the loop's model and the batch's vmapped loss each through torch.compile
+        self.train_module = compiled_for_training(self.model, cfg.compile_model)
+        self.batched = ClientBatch(self.model, algorithm, clients, classification_loss, cfg.precision,
+                                   compile_mode=cfg.compile_model)
         self.server = ALGORITHMS[algorithm.name].server(algorithm, [n for n, _ in self.named],
                                                         num_clients=cfg.num_clients)
         self.data = [load_client_train(cfg, i, cfg.num_clients).to(self.device) for i in range(clients)]
@@ -89,7 +96,8 @@ class Clients:
         """The clients one after another, as ``ClientTrainer.train_round`` trains each."""
         broadcast = self.server.broadcast()
         return [plain_client_round(self.model, self.optimizer, self.named, self.x, broadcast, stream, lr=lr,
-                                   server_round=server_round, local_steps=steps, precision=self.cfg.precision)
+                                   server_round=server_round, local_steps=steps, precision=self.cfg.precision,
+                                   train_module=self.train_module)
                 for stream in self.streams(server_round)]
 
     def at_once(self, server_round: int, lr: float, steps: int) -> list[ClientUpdate]:
@@ -174,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.task != "vision" or cfg.algorithm.name not in FEDACT_FAMILY:
         raise SystemExit(f"bench_client_batch runs task=vision with the FedACT family {FEDACT_FAMILY}, "
                          f"not task={cfg.task} algorithm={cfg.algorithm.name}")
-    if cfg.compile_model != "none" or cfg.channels_last:
-        raise SystemExit("bench_client_batch compares eager steps in the contiguous memory format: leave "
-                         "compile_model=none and channels_last=false")
+    if cfg.channels_last:
+        raise SystemExit("bench_client_batch trains in the contiguous memory format: leave channels_last=false")
     clients = Clients(cfg, args.clients)
     d = sum(p.numel() for _, p in clients.named)
     name = torch.cuda.get_device_name(clients.device) if clients.device.type == "cuda" else "CPU"
     print(f"{cfg.model.name}, d = {d:,}; {args.clients} clients x K = {args.local_steps} x batch "
           f"{cfg.batch_size}; {cfg.algorithm.name} (trust_scope={cfg.algorithm.trust_scope}), "
-          f"precision={cfg.precision}; on {clients.device} ({name}), {torch.get_num_threads()} CPU threads")
+          f"precision={cfg.precision}, compile_model={cfg.compile_model}; on {clients.device} ({name}), "
+          f"{torch.get_num_threads()} CPU threads")
     times: dict[str, list[float]] = {"loop": [], "batched": []}
     peaks = {"loop": 0, "batched": 0}
     gaps = []

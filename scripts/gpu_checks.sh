@@ -21,7 +21,8 @@
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
 #   client-batch    bench_client_batch.py --paper: the seed's round's clients trained at once (vmap) against one
-#                   after another in one process, float32 with its operation and kernel counts, then bf16
+#                   after another in one process, float32 with its operation and kernel counts, then both sides
+#                   with CUDA graphs and bf16 (compile_model=reduce-overhead precision=bf16): at most 7 minutes
 #   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
 #   round-mps       round-bf16, then the same with the clients under a private CUDA MPS daemon (--mps), on
 #                   one machine (a pair to compare): at most 9 minutes
@@ -97,8 +98,8 @@ for name in "${@:-optim server}"; do
         client-batch)  # the seed's round's ten clients trained at once (ClientBatch) against one after another
             step client-batch-tests 60 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_client_batch.py
             step bench-client-batch 150 python3 scripts/bench_client_batch.py --paper --profile
-            step bench-client-batch-bf16 90 python3 scripts/bench_client_batch.py --paper --rounds 4 \
-                --overrides "precision=bf16" ;;
+            step bench-client-batch-compiled 180 python3 scripts/bench_client_batch.py --paper --rounds 4 \
+                --overrides "compile_model=reduce-overhead precision=bf16" ;;
         units)  # -v: every test's outcome as it ends, so a run cut short still names its failures
             step units 300 python3 -m pytest -n 4 -p no:cacheprovider -v -rfE -m "not e2e" ;;
         deploy)

@@ -111,7 +111,7 @@ def test_bench_round_paper_is_the_seeds_round_on_a_gpu():
 def test_bench_client_batch_prints_both_sides_their_gap_and_the_operation_counts():
     out = run_script("bench_client_batch.py", "--clients", "2", "--local-steps", "1", "--rounds", "2", "--profile",
                      "--overrides", "dataset.num_train=200 model.kwargs.depth=1", timeout=300)
-    assert "2 clients x K = 1 x batch 8; fedact (trust_scope=global)" in out, out
+    assert "2 clients x K = 1 x batch 8; fedact (trust_scope=global), precision=fp32, compile_model=none" in out, out
     for label in ("clients one after another", "clients at once (ClientBatch)"):
         row = rf"^  {re.escape(label)} +\d+\.\d{{3}}  \[\d+\.\d{{3}}-\d+\.\d{{3}}\] +\d+\.\d\d$"
         assert re.search(row, out, re.M), out
