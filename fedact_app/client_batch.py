@@ -31,8 +31,9 @@ two agree to 1e-9 relative or better, ``tests/test_client_batch.py``). What must
   and stay.
 
 ``compile_mode`` (as a run's ``compile_model``) computes the clients' losses through
-``torch.compile`` of the vmapped function (``reduce-overhead``: CUDA graphs on a GPU), compiled at
-the first step; the backward and the optimizer step stay outside it.
+``torch.compile`` of the vmapped function (``fullgraph=True``; ``reduce-overhead``: CUDA graphs
+on a GPU), compiled at the first step; AOTAutograd compiles its backward too. The sum of the
+losses, the accumulation into the gradients and the optimizer step run eagerly.
 
 The gradients, the state and the selection's buffers are C times a single client's. Each
 client's trust-score diagnostics (:class:`fedact_app.diagnostics.TrustProbe`) are its own, taken
@@ -152,11 +153,22 @@ class ClientBatch:
         self.optimizer = self.rule.make_optimizer([(str(i), p) for i, p in enumerate(self.params)])
         self._pairs: tuple[int, list[tuple[Tensor, Tensor]] | None] = (0, None)
         self._checked = False  # whether a step has shown that every trainable parameter gets a gradient
+        # each client's own copy of the state's buffers (BatchNorm's running statistics), which
+        # the forward writes in place; each round copies the state's values in
+        persistent = self.template.state_dict().keys()
+        self.buffers = {name: b.detach().expand(clients, *b.shape).clone()
+                        for name, b in self.template.named_buffers() if name in persistent}
         # randomness="error" (vmap's default): a random layer raises (module docstring)
         self.compiled = compile_mode != "none"
         self._losses = vmap(self._client_loss)
         if self.compiled:
-            self._losses = torch.compile(self._losses, mode=compile_mode, dynamic=False)
+            # The leaves and the buffers keep their addresses (the rounds and the optimizer write
+            # them in place): as static inputs, CUDA graphs (reduce-overhead) read them where they
+            # are, rather than copying each into a graph buffer before every replay (a [C, ...]
+            # view of `weights` spans (C - 1) d + n entries), and may write the buffers in place.
+            for tensor in (*self.leaves.values(), *self.buffers.values()):
+                torch._dynamo.mark_static_address(tensor)
+            self._losses = torch.compile(self._losses, mode=compile_mode, dynamic=False, fullgraph=True)
 
     def _stacked(self, rows: Tensor) -> dict[str, Tensor]:
         """The model's trainable tensors as [C, ...] views of the clients' ``rows``."""
@@ -213,13 +225,13 @@ class ClientBatch:
         names = [name for name, _ in self.named]
         if missing := [name for name in names if name not in state]:
             raise ValueError(f"The state lacks {len(missing)} of the model's trainable tensors, e.g. {missing[:3]}")
+        if missing := [name for name in self.buffers if name not in state]:
+            raise ValueError(f"The state lacks {len(missing)} of the model's buffers, e.g. {missing[:3]}")
         self.template.load_state_dict(state, strict=False)  # what is not trained: buffers, frozen tensors
         self.template.train()
         self.weights.copy_(self._flat([state[name] for name in names]).expand(self.clients, -1))
-        # each client's own copy of the buffers the state carries (BatchNorm's running statistics),
-        # written in place by the forward
-        buffers = {name: state[name].to(self.device).expand(self.clients, *state[name].shape).clone()
-                   for name, _ in self.template.named_buffers() if name in state}
+        for name, buffer in self.buffers.items():
+            buffer.copy_(state[name].expand_as(buffer))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.begin_round(v_bar=self._per_parameter(aligned(received, "v_bar", self.named)),
@@ -241,7 +253,7 @@ class ClientBatch:
                 torch.compiler.cudagraph_mark_step_begin()
             try:
                 with autocast(self.device, self.precision):
-                    loss = self._losses(self.leaves, buffers, batch)
+                    loss = self._losses(self.leaves, self.buffers, batch)
             except RuntimeError as err:
                 if "randomness error mode" not in str(err):
                     raise
@@ -279,7 +291,7 @@ class ClientBatch:
         results = []
         for c, mean_loss in enumerate((loss_sum / local_steps).tolist()):
             trained = {name: view.clone() - state[name] for name, view in self._views(rows[c]).items()}
-            trained.update({name: tensor[c].cpu() - state[name] for name, tensor in buffers.items()})
+            trained.update({name: tensor[c].cpu() - state[name] for name, tensor in self.buffers.items()})
             delta = {name: trained.get(name, torch.zeros_like(tensor)) for name, tensor in state.items()}
             v = {name: view.clone() for name, view in self._views(moments[c]).items()}
             update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,

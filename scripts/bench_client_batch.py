@@ -16,7 +16,8 @@ are medians over the rest, with their range. ``compile_model`` compiles both sid
 model (``compiled_for_training``, as a client's) and the batch's vmapped loss
 (``ClientBatch(compile_mode=...)``).
 
-On CUDA it prints each side's peak of device memory a round. It prints how far the batched
+On CUDA it prints each side's peak of device memory a round, above what was allocated when the
+side began (the data, the models, the other side's state). It prints how far the batched
 replies are from the loop's: the largest |Δ_batched − Δ_loop| over
 all coordinates, as a fraction of the largest |Δ_loop|, and the share of coordinates that differ
 by more than 1e-3 of it. They differ by the rounding of batched products, and where that
@@ -111,17 +112,19 @@ class Clients:
 
 
 def timed(fn, clients: Clients, *args) -> tuple[float, list[ClientUpdate], int]:
-    """Seconds of ``fn(*args)``, its replies, and on CUDA the peak of the device memory it
-    allocated (0 elsewhere)."""
+    """Seconds of ``fn(*args)``, its replies, and on CUDA its peak of device memory above what
+    was allocated when it began (0 elsewhere): the other side's memory, its CUDA graphs' pools
+    included, is not counted."""
     cuda = clients.device.type == "cuda"
     clients.synchronize()
     if cuda:
         torch.cuda.reset_peak_memory_stats(clients.device)
+        allocated = torch.cuda.memory_allocated(clients.device)
     started = time.perf_counter()
     updates = fn(*args)
     clients.synchronize()
     seconds = time.perf_counter() - started
-    return seconds, updates, torch.cuda.max_memory_allocated(clients.device) if cuda else 0
+    return seconds, updates, torch.cuda.max_memory_allocated(clients.device) - allocated if cuda else 0
 
 
 def difference(batched: list[ClientUpdate], loop: list[ClientUpdate]) -> tuple[float, float]:
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:<32}{median:8.3f}  [{min(values):.3f}-{max(values):.3f}]  {1e3 * median / steps:8.2f}")
     print(f"  loop / batched: {loop / batched:.2f}x")
     if clients.device.type == "cuda":
-        print(f"peak GPU memory a round (torch's allocator), MiB: loop {peaks['loop'] / 2**20:,.0f} / "
+        print(f"peak GPU memory a round above its start (torch's allocator), MiB: loop {peaks['loop'] / 2**20:,.0f} / "
               f"batched {peaks['batched'] / 2**20:,.0f}")
     worst = max(g[0] for g in gaps)
     share = max(g[1] for g in gaps)

@@ -230,26 +230,58 @@ def test_bf16_autocast_within_its_rounding():
         assert rounds["bf16"][c].loss == pytest.approx(alone["bf16"][2], rel=1e-3)
 
 
-def test_compiled_losses_equal_the_eager_ones():
-    """compile_mode="default": the clients' vmapped loss through torch.compile (inductor), each
-    client's reply and loss as the eager batch's, in float64 (compiled once: ~20 s on a 2-vCPU VM)."""
+def small_cnn() -> torch.nn.Module:
+    """A convolution with BatchNorm, float64: running statistics the compiled forward writes. No
+    convolution bias: BatchNorm removes it, so its gradient is 0 in exact arithmetic and its
+    scores rounding noise (as the key bias's, small_vit)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 5)).double()
+
+
+def compiled_against_eager(model, mode: str, device: str = "cpu") -> None:
+    """Two rounds of 2 clients x 3 steps with ``compile_mode=mode`` on ``device``, each client's
+    reply, loss and examples as the eager batch's (float64, to 1e-9); one graph compiled, none
+    again in the second round."""
     algorithm = dataclasses.replace(AlgorithmConfig(), name="fedact", lr=1e-2)
-    model = small_vit()
-    state = {n: t.clone() for n, t in model.state_dict().items()}
-    received = server_arrays(model, 7)
+    model = model.to(device)
+    state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
+    batches = {mode: ClientBatch(model, algorithm, 2, classification_loss, compile_mode=mode)
+               for mode in ("none", mode)}
     graphs = counters["stats"]["unique_graphs"]
-    rounds = {mode: ClientBatch(model, algorithm, 2, classification_loss, compile_mode=mode).train_round(
-        state, received, [Stream(client_batches(c, 2)) for c in range(2)], lr=1e-2, local_steps=2, global_step=2)
-        for mode in ("none", "default")}
-    assert counters["stats"]["unique_graphs"] > graphs  # the compiled path ran
-    for eager, compiled in zip(rounds["none"], rounds["default"]):
-        for name in eager.update.delta:
-            torch.testing.assert_close(compiled.update.delta[name], eager.update.delta[name], rtol=1e-9, atol=1e-12)
-        for name in eager.update.arrays["v"]:
-            torch.testing.assert_close(compiled.update.arrays["v"][name], eager.update.arrays["v"][name],
-                                       rtol=1e-9, atol=1e-15)
-        assert compiled.loss == pytest.approx(eager.loss, rel=1e-12)
-        assert compiled.update.num_examples == eager.update.num_examples == 2 * BATCH
+    for server_round, received in ((1, {}), (2, server_arrays(model, 7))):
+        rounds = {name: batch.train_round(state, received, [Stream(client_batches(c + server_round, 3), device)
+                                                            for c in range(2)],
+                                          lr=1e-2, local_steps=3, global_step=3 * (server_round - 1))
+                  for name, batch in batches.items()}
+        assert counters["stats"]["unique_graphs"] == graphs + 1  # compiled once, at the first step
+        for eager, compiled in zip(rounds["none"], rounds[mode]):
+            for name in eager.update.delta:
+                torch.testing.assert_close(compiled.update.delta[name], eager.update.delta[name], rtol=1e-9,
+                                           atol=1e-12)
+            for name in eager.update.arrays["v"]:
+                torch.testing.assert_close(compiled.update.arrays["v"][name], eager.update.arrays["v"][name],
+                                           rtol=1e-9, atol=1e-15)
+            assert compiled.loss == pytest.approx(eager.loss, rel=1e-12)
+            assert compiled.update.num_examples == eager.update.num_examples == 3 * BATCH
+
+
+@pytest.mark.parametrize("model", [small_vit, small_cnn])
+def test_compiled_losses_equal_the_eager_ones(model):
+    """compile_mode="default" (inductor) on the CPU: the ViT, and BatchNorm's statistics written
+    by the compiled forward (compiled once each: ~20 s on a 2-vCPU VM)."""
+    compiled_against_eager(model(), "default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", [small_vit, small_cnn])
+def test_cuda_graphs_equal_the_eager_batch(model):
+    """compile_mode="reduce-overhead" on the GPU: CUDA graphs over the clients' loss, with the
+    leaves and buffers as static inputs written in place between replays, and no graph skipped."""
+    skips = counters["inductor"]["cudagraph_skips"]
+    compiled_against_eager(model(), "reduce-overhead", "cuda")
+    assert counters["inductor"]["cudagraph_skips"] == skips
 
 
 def test_refuses_what_it_cannot_batch():
