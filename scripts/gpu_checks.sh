@@ -22,7 +22,7 @@
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
 #   client-batch    bench_client_batch.py --paper: the seed's round's clients trained at once (vmap) against one
 #                   after another in one process, float32 with its operation and kernel counts, then both sides
-#                   with CUDA graphs and bf16 (compile_model=reduce-overhead precision=bf16): at most 7 minutes
+#                   with CUDA graphs and bf16 (compile_model=reduce-overhead precision=bf16): at most 8 minutes
 #   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
 #   round-mps       round-bf16, then the same with the clients under a private CUDA MPS daemon (--mps), on
 #                   one machine (a pair to compare): at most 9 minutes
@@ -96,7 +96,7 @@ for name in "${@:-optim server}"; do
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
         client-batch)  # the seed's round's ten clients trained at once (ClientBatch) against one after another
-            step client-batch-tests 60 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_client_batch.py
+            step client-batch-tests 150 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_client_batch.py
             step bench-client-batch 150 python3 scripts/bench_client_batch.py --paper --profile
             step bench-client-batch-compiled 180 python3 scripts/bench_client_batch.py --paper --rounds 4 \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
