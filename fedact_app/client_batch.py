@@ -54,9 +54,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_map
 
-from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict, aligned
+from fedact_app.algorithms import ALGORITHMS, ClientUpdate, TensorDict
 from fedact_app.config import COMPILE_MODES
 from fedact_app.diagnostics import TrustProbe
+from fedact_app.packing import as_vector
 from fedact_app.registry import FEDACT_FAMILY
 from fedact_app.train import autocast
 
@@ -109,6 +110,7 @@ class ClientBatch:
             raise ValueError(f"Invalid compile_mode: {compile_mode!r}; expected one of {COMPILE_MODES}")
         self.template = copy.deepcopy(model)
         self.named = [(name, p) for name, p in self.template.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in self.named]
         if not self.named:
             raise ValueError("ClientBatch needs a model with trainable parameters; this one has none")
         if len({(p.dtype, p.device) for _, p in self.named}) > 1:
@@ -180,17 +182,15 @@ class ClientBatch:
         return {name: row[start:end].view(p.shape)
                 for (name, p), start, end in zip(self.named, self.offsets, self.offsets[1:])}
 
-    def _flat(self, tensors: list[Tensor]) -> Tensor:
-        return torch.cat([t.reshape(-1) for t in tensors]).to(self.device, self.weights.dtype)
-
-    def _per_parameter(self, tensors: list[Tensor] | None) -> list[Tensor] | None:
-        """A tensor per trainable parameter (``named_parameters`` order) as one per optimizer
-        parameter: the same values for every client."""
-        if tensors is None:
+    def _per_parameter(self, received: dict[str, TensorDict], key: str) -> list[Tensor] | None:
+        """``received[key]`` (a tensor per trainable parameter) as one tensor per optimizer
+        parameter, the same values for every client; None where the server sent no ``key``."""
+        arrays = received.get(key)
+        if arrays is None:
             return None
         if self.rows_are_params:
-            return [self._flat(tensors)] * self.clients
-        return [t.to(self.device, self.weights.dtype) for t in tensors] * self.clients
+            return [as_vector(arrays, self.names).to(self.device, self.weights.dtype)] * self.clients
+        return [arrays[name].to(self.device, self.weights.dtype) for name in self.names] * self.clients
 
     def _client_pairs(self, client: int) -> list[tuple[Tensor, Tensor]] | None:
         """Client ``client``'s (u, g) pairs of the last step (``rule.last_step_direction``, made
@@ -222,21 +222,19 @@ class ClientBatch:
                              f"{self.clients} clients")
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"Invalid local_steps: {local_steps!r}; expected an integer >= 1")
-        names = [name for name, _ in self.named]
-        if missing := [name for name in names if name not in state]:
+        if missing := [name for name in self.names if name not in state]:
             raise ValueError(f"The state lacks {len(missing)} of the model's trainable tensors, e.g. {missing[:3]}")
         if missing := [name for name in self.buffers if name not in state]:
             raise ValueError(f"The state lacks {len(missing)} of the model's buffers, e.g. {missing[:3]}")
         self.template.load_state_dict(state, strict=False)  # what is not trained: buffers, frozen tensors
         self.template.train()
-        self.weights.copy_(self._flat([state[name] for name in names]).expand(self.clients, -1))
+        self.weights.copy_(as_vector(state, self.names).expand(self.clients, -1))
         for name, buffer in self.buffers.items():
             buffer.copy_(state[name].expand_as(buffer))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.begin_round(v_bar=self._per_parameter(aligned(received, "v_bar", self.named)),
-                                   delta_g=self._per_parameter(aligned(received, "delta_g", self.named)),
-                                   global_step=global_step)
+        self.optimizer.begin_round(v_bar=self._per_parameter(received, "v_bar"),
+                                   delta_g=self._per_parameter(received, "delta_g"), global_step=global_step)
         self._pairs = (0, None)
         # amplified_fraction is the same for every client: each has its d coordinates and k of them
         probes = [TrustProbe(self.trust_every, self.top_p, direction=functools.partial(self._client_pairs, c),
@@ -286,14 +284,14 @@ class ClientBatch:
                 probe.after_step(step)
             loss_sum += loss.detach()
             examples += self._examples
-        rows = self.weights.cpu()
+        rows = self.weights.cpu()  # on a CPU device the live rows: each delta below is a new tensor
         moments = torch.cat([m.reshape(-1) for m in self.optimizer.second_moments()]).reshape(self.clients, -1).cpu()
         results = []
         for c, mean_loss in enumerate((loss_sum / local_steps).tolist()):
-            trained = {name: view.clone() - state[name] for name, view in self._views(rows[c]).items()}
+            trained = {name: view - state[name] for name, view in self._views(rows[c]).items()}
             trained.update({name: tensor[c].cpu() - state[name] for name, tensor in self.buffers.items()})
             delta = {name: trained.get(name, torch.zeros_like(tensor)) for name, tensor in state.items()}
-            v = {name: view.clone() for name, view in self._views(moments[c]).items()}
+            v = self._views(moments[c])  # views of this round's own copy of the moments
             update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr * local_steps,
                                   num_examples=examples, arrays={"v": v})
             results.append(BatchedResult(update, mean_loss, probes[c].summary()))
