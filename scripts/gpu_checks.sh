@@ -96,7 +96,7 @@ for name in "${@:-optim server}"; do
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
         client-batch)  # the seed's round's ten clients trained at once (ClientBatch) against one after another
-            step client-batch-tests 150 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_client_batch.py
+            step client-batch-tests 120 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_client_batch.py -k cuda
             step bench-client-batch 150 python3 scripts/bench_client_batch.py --paper --profile
             step bench-client-batch-compiled 180 python3 scripts/bench_client_batch.py --paper --rounds 4 \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
