@@ -25,10 +25,11 @@ two agree to 1e-9 relative or better, ``tests/test_client_batch.py``). What must
   like the parameters, and their change is part of the client's Δ, as for a single client;
 - the model trains without random layers (dropout, stochastic depth): ``vmap`` would draw the
   clients' randomness otherwise than a client alone; such a model is refused at its first step;
-- off CUDA, timm's attention runs its unfused path (``fused_attn = False`` on the copy of the
-  model the clients share): ``vmap`` has no batching rule for the CPU's fused attention kernel
-  and would run it one client after another. CUDA's fused attention kernels have batching rules
-  and stay.
+- timm's attention runs its unfused path (``fused_attn = False`` on the copy of the model the
+  clients share): ``vmap`` has no batching rule for the CPU's fused attention kernel (it would
+  run it one client after another), and on CUDA the memory-efficient kernel's backward under
+  ``vmap`` fails at ViT-Tiny's shapes in float32 ("LSE is not correctly aligned", torch 2.11,
+  NVIDIA H200).
 
 ``compile_mode`` (as a run's ``compile_model``) computes the clients' losses through
 ``torch.compile`` of the vmapped function (``fullgraph=True``; ``reduce-overhead``: CUDA graphs
@@ -116,10 +117,9 @@ class ClientBatch:
         if len({(p.dtype, p.device) for _, p in self.named}) > 1:
             raise ValueError("ClientBatch needs every trainable parameter on one device and of one dtype; got "
                              f"{sorted({f'{p.dtype} on {p.device}' for _, p in self.named})}")
-        if self.named[0][1].device.type != "cuda":
-            for module in self.template.modules():
-                if hasattr(module, "fused_attn"):  # timm's attention (module docstring)
-                    module.fused_attn = False
+        for module in self.template.modules():
+            if hasattr(module, "fused_attn"):  # timm's attention (module docstring)
+                module.fused_attn = False
         self.clients, self.loss_fn, self.precision = clients, loss_fn, precision
         self.trust_every, self.top_p = trust_every, top_p
         self.offsets = [0]

@@ -178,6 +178,29 @@ def test_cuda_each_client_steps_as_if_alone(scope):
         assert result.loss == pytest.approx(loss, rel=1e-12)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_float32_vit_at_vit_tiny_shapes():
+    """ViT-Tiny's attention shapes (65 tokens, 3 heads of 64) in float32 on the GPU, where SDPA
+    would pick its memory-efficient kernel, whose backward under vmap fails ("LSE is not correctly
+    aligned"; the float64 cases above take the math kernel): the batch runs, and its clients'
+    losses and Δ follow each client alone within float32's rounding."""
+    algorithm = dataclasses.replace(AlgorithmConfig(), name="fedact", lr=1e-3)
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=4, in_chans=3, num_classes=5, embed_dim=192, depth=1,
+                              num_heads=3, qkv_bias=False).cuda()
+    state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
+    batches = [[(images.float(), labels) for images, labels in client_batches(c, 2, size=32)] for c in range(2)]
+    results = ClientBatch(model, algorithm, 2, classification_loss).train_round(
+        state, {}, [Stream(b, "cuda") for b in batches], lr=1e-3, local_steps=2, global_step=0)
+    for result, own in zip(results, batches):
+        delta, _, loss, _ = one_client(copy.deepcopy(model), algorithm, state, {}, own, 1e-3, 2, 0)
+        assert result.loss == pytest.approx(loss, rel=1e-4)
+        flat = torch.cat([t.reshape(-1) for t in result.update.delta.values()])
+        reference = torch.cat([delta[n].reshape(-1) for n in result.update.delta])
+        off = (flat - reference).abs() > 1e-3 * reference.abs().max()
+        assert off.float().mean() < 0.01
+
+
 def test_a_second_round_starts_afresh():
     """Nothing of round r (m, v, Delta_G, the rows, the probes' pairs) leaks into round r + 1:
     a round with the server's arrays, then one without (v_bar and Delta_G zeros), each as its
