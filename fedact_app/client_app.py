@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 
 from fedact_app.node_config import client_identity
 from fedact_app.node_worker import forward
+from fedact_app.node_worker.gather import CLIENT_BATCH_KEY
 from fedact_app.sampling import IDENTITY_RECORD
 
 app = ClientApp()
@@ -28,13 +29,23 @@ def identify(msg: Message, context: Context) -> Message:
 
 
 def reply(kind: str, msg: Message, context: Context) -> Message:
-    """The reply to a ``kind`` message: from the node's warm worker where one takes it, else
-    worked on here."""
-    if forward.wanted(context) and (answer := forward.forward(kind, msg, context)) is not None:
+    """The reply to a ``kind`` message: from the machine's batching worker where the run trains
+    its clients in batches (a training message), or from the node's warm worker where one takes
+    it, else worked on here."""
+    if kind == "train" and batched(msg):
+        if (answer := forward.forward(kind, msg, context, batched=True)) is not None:
+            return answer
+    elif forward.wanted(context) and (answer := forward.forward(kind, msg, context)) is not None:
         return answer
     from fedact_app import client_work  # torch, timm, Hydra: only in the process that does the work
 
     return client_work.run_message(kind, msg, context)
+
+
+def batched(msg: Message) -> bool:
+    """The server asks for this round's clients to be trained in batches (``client_batch=true``)."""
+    config = msg.content.config_records.get("config")
+    return config is not None and bool(config.get(CLIENT_BATCH_KEY, False))
 
 
 @app.train()

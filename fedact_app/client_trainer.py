@@ -19,6 +19,7 @@ from logging import INFO
 from flwr.common import log
 
 from fedact_app.algorithms import ALGORITHMS, ClientUpdate, RoundInputs, TensorDict
+from fedact_app.client_batch import ClientBatch
 from fedact_app.config import Config, PartitionConfig, compose
 from fedact_app.diagnostics import TrustProbe
 from fedact_app.tasks.base import build_task
@@ -56,6 +57,7 @@ class ClientTrainer:
         self.shared = set(self.task.shared_names(self.model))
         self.rule = ALGORITHMS[cfg.algorithm.name].local(cfg.algorithm)
         self.optimizer = self.rule.make_optimizer(self.named_params)
+        self._batches: dict[int, ClientBatch] = {}  # client_batch: ClientBatch by number of clients
 
     def load_global(self, state: TensorDict) -> None:
         """Load the shared entries (``Task.shared_names``); a state with others or without all of
@@ -91,6 +93,32 @@ class ClientTrainer:
         update = ClientUpdate(delta=delta, num_steps=local_steps, lr_sum=lr_sum,
                               num_examples=stats.num_examples, arrays=_to_cpu(local.arrays))
         return RoundResult(update, stats.loss, _to_cpu(local.client_state), probe.summary())
+
+    def train_batch(self, state: TensorDict, received: dict[str, TensorDict], *, partition_ids: list[int],
+                    num_partitions: int, server_round: int, lr: float, local_steps: int,
+                    global_step: int) -> list[RoundResult]:
+        """The rounds of the clients ``partition_ids`` (FedACT family: they keep no state) trained at
+        once (:class:`fedact_app.client_batch.ClientBatch`), each from its own batches as
+        :meth:`train_round` draws them; inputs and outputs on the CPU."""
+        batch = self._client_batch(len(partition_ids))
+        received = {key: from_wire(arrays, self.cfg.wire_dtype) for key, arrays in received.items()}
+        streams = [self.task.train_batches(p, num_partitions, server_round, self.device,
+                                           batch_generator(self.cfg.seed, server_round, p, self.device))
+                   for p in partition_ids]
+        results = batch.train_round(state, received, streams, lr=lr, local_steps=local_steps,
+                                    global_step=global_step)
+        return [RoundResult(result.update, result.loss, {}, result.diagnostics) for result in results]
+
+    def _client_batch(self, clients: int) -> ClientBatch:
+        """The ``ClientBatch`` of ``clients`` clients, kept for the next round of as many (with
+        ``compile_model``, each size compiles once); the two most recent sizes are kept."""
+        batch = self._batches.pop(clients, None) or ClientBatch(
+            self.model, self.cfg.algorithm, clients, self.task.loss, self.cfg.precision,
+            self.cfg.diagnostics.trust_every, self.cfg.diagnostics.top_p, self.cfg.compile_model)
+        self._batches[clients] = batch  # the most recent last
+        while len(self._batches) > 2:
+            del self._batches[next(iter(self._batches))]
+        return batch
 
     def evaluate_local(self, state: TensorDict, *, partition_id: int,
                        num_partitions: int) -> tuple[dict[str, float], int]:

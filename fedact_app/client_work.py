@@ -11,6 +11,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from logging import WARNING
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -19,10 +20,11 @@ from flwr.common.constant import ErrorCode
 
 from fedact_app.algorithms import TensorDict
 from fedact_app.checkpoint import persist_client_state, restored_client_state
-from fedact_app.client_trainer import ClientTrainer, trainer_for
+from fedact_app.client_trainer import ClientTrainer, RoundResult, trainer_for
 from fedact_app.config import Config, compose
 from fedact_app.finite import describe_names, non_finite
 from fedact_app.node_config import DATA_PATH_KEY
+from fedact_app.node_worker.gather import ROUND_CLIENTS_KEY, Gather
 from fedact_app.node_slot import node_slot
 from fedact_app.registry import FILE_DATASETS
 from fedact_app.wire import packed_record, unpacked
@@ -128,20 +130,38 @@ def kept_state(context: Context, config: ConfigRecord, partition_id: int) -> dic
     return load_client_state(context) or ({} if own_data else restored_client_state(config, partition_id))
 
 
-def train_content(content: RecordDict, context: Context) -> RecordDict:
-    """The train handler's work on plain records: one local round, the reply's records."""
-    work_start = time.time()  # the reply's ``work-start``: the client's part of the round's timeline starts
+@dataclass
+class TrainRequest:
+    """A training message's inputs, read from its records and its node's config."""
+
+    content: RecordDict
+    context: Context
+    trainer: ClientTrainer
+    partition_id: int
+    num_partitions: int
+    work_start: float  # the reply's ``work-start``: the client's part of the round's timeline starts
+
+    @property
+    def config(self) -> ConfigRecord:
+        return self.content["config"]
+
+    def received(self) -> dict[str, TensorDict]:
+        """The server's broadcast arrays (v_bar, Delta_G, c), without the model."""
+        return {key: unpacked(record) for key, record in self.content.array_records.items() if key != "model"}
+
+
+def train_request(content: RecordDict, context: Context) -> TrainRequest:
+    """The message's inputs; raises where its round is to fail (``debug.fail_partitions``)."""
+    work_start = time.time()
     trainer, partition_id, num_partitions = node_trainer(context)
-    config = content["config"]
-    inject_fault(trainer.cfg, partition_id, int(config["server-round"]))
-    received = {key: unpacked(record) for key, record in content.array_records.items() if key != "model"}
-    started = time.perf_counter()
-    result = trainer.train_round(
-        unpacked(content["model"]), received, partition_id=partition_id,
-        num_partitions=num_partitions, server_round=int(config["server-round"]),
-        lr=float(config["lr"]), local_steps=int(config["local-steps"]),
-        global_step=int(config["global-step"]), client_state=kept_state(context, config, partition_id))
-    train_seconds = time.perf_counter() - started  # the round's local work; it ends with copies to the CPU
+    inject_fault(trainer.cfg, partition_id, int(content["config"]["server-round"]))
+    return TrainRequest(content, context, trainer, partition_id, num_partitions, work_start)
+
+
+def train_reply(request: TrainRequest, result: RoundResult, train_seconds: float) -> RecordDict:
+    """The reply's records for ``result``, the client's round; keeps the client's state in its
+    ``Context`` (and beside the checkpoints) unless it holds non-finite values."""
+    context, partition_id = request.context, request.partition_id
     kept = {f"{key}/{n}": t for key, arrays in result.client_state.items() for n, t in arrays.items()}
     if diverged := non_finite(kept):  # its reply is rejected too; keep the state of its last good round
         log(WARNING, "partition %d: the kept state holds non-finite values (%s); not kept",
@@ -149,7 +169,7 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     else:
         save_client_state(context, result.client_state)
         if DATA_PATH_KEY not in context.node_config:
-            persist_client_state(config, partition_id, result.client_state)
+            persist_client_state(request.config, partition_id, result.client_state)
     update = result.update
     reply = RecordDict({"delta": packed_record(update.delta)})
     for key, arrays in update.arrays.items():
@@ -159,9 +179,58 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     partition = {} if DATA_PATH_KEY in context.node_config else {"partition-id": partition_id}
     reply["metrics"] = MetricRecord({"num-examples": update.num_examples, "num-steps": update.num_steps,
                                      "lr-sum": update.lr_sum, "train-loss": result.loss,
-                                     "train-seconds": train_seconds, "work-start": work_start, **partition,
-                                     **result.diagnostics})
+                                     "train-seconds": train_seconds, "work-start": request.work_start,
+                                     **partition, **result.diagnostics})
     return reply
+
+
+def train_content(content: RecordDict, context: Context) -> RecordDict:
+    """The train handler's work on plain records: one local round, the reply's records."""
+    request = train_request(content, context)
+    config = request.config
+    started = time.perf_counter()
+    result = request.trainer.train_round(
+        unpacked(content["model"]), request.received(), partition_id=request.partition_id,
+        num_partitions=request.num_partitions, server_round=int(config["server-round"]),
+        lr=float(config["lr"]), local_steps=int(config["local-steps"]),
+        global_step=int(config["global-step"]),
+        client_state=kept_state(context, config, request.partition_id))
+    # the round's local work; it ends with copies to the CPU
+    return train_reply(request, result, time.perf_counter() - started)
+
+
+def train_contents(items: list[tuple[RecordDict, Context]]) -> list[RecordDict | Exception]:
+    """The replies of training messages of one round, their clients trained at once
+    (``ClientTrainer.train_batch``), one batch per trainer (a node with its own ``data-path`` has
+    its own): a reply per message, in order, or the exception its round raised. Each reply's
+    ``train-seconds`` is its batch's."""
+    outcomes: list[RecordDict | Exception | None] = []
+    batches: dict[int, list[tuple[int, TrainRequest]]] = {}
+    for content, context in items:
+        try:
+            request = train_request(content, context)
+        except Exception as ex:  # noqa: BLE001 - this message's round fails, the others train
+            outcomes.append(ex)
+            continue
+        batches.setdefault(id(request.trainer), []).append((len(outcomes), request))
+        outcomes.append(None)
+    for batch in batches.values():
+        first, config = batch[0][1], batch[0][1].config
+        try:
+            started = time.perf_counter()
+            results = first.trainer.train_batch(
+                unpacked(first.content["model"]), first.received(),
+                partition_ids=[request.partition_id for _, request in batch],
+                num_partitions=first.num_partitions, server_round=int(config["server-round"]),
+                lr=float(config["lr"]), local_steps=int(config["local-steps"]),
+                global_step=int(config["global-step"]))
+            seconds = time.perf_counter() - started
+            for (position, request), result in zip(batch, results):
+                outcomes[position] = train_reply(request, result, seconds)
+        except Exception as ex:  # noqa: BLE001 - every message of this batch fails with it
+            for position, _ in batch:
+                outcomes[position] = ex
+    return outcomes
 
 
 SKIPPED = ErrorCode.MESSAGE_UNAVAILABLE  # a message this node did not work on: past its deadline or node busy
@@ -214,6 +283,16 @@ def prepare(context: Context) -> None:
     and read the node's training data, ahead of its first message."""
     trainer, partition_id, num_partitions = node_trainer(context)
     trainer.task.describe_train_data(partition_id, num_partitions)
+
+
+def run_batched_train(msg: Message, context: Context, gather: Gather) -> Message:
+    """The reply to a training message of a run with ``client_batch=true``: its client trained at
+    once with the other clients of its round that ``gather`` puts in its batch."""
+    config = msg.content["config"]
+    wait = _compose(str(context.run_config.get("overrides", ""))).client_batch_wait
+    group = (msg.metadata.run_id, int(config["server-round"]))
+    return handle(msg, context, lambda msg, context: gather.submit(
+        group, int(config[ROUND_CLIENTS_KEY]), wait, (msg.content, context)))
 
 
 def run_message(kind: str, msg: Message, context: Context) -> Message:

@@ -20,9 +20,9 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from fedact_app.registry import (AGGREGATIONS, BUILTIN_DATASETS, DATASETS, LORA_MODELS, MAX_MOMENT_RATIO,
-                                 MAX_UPDATE_RATIO, METHODS, MODELS, TASK_CHOICES, TASKS, TRIM_FRACTION, WEIGHTINGS,
-                                 hyperparameter_errors, trim_count)
+from fedact_app.registry import (AGGREGATIONS, BUILTIN_DATASETS, DATASETS, FEDACT_FAMILY, LORA_MODELS,
+                                 MAX_MOMENT_RATIO, MAX_UPDATE_RATIO, METHODS, MODELS, TASK_CHOICES, TASKS,
+                                 TRIM_FRACTION, WEIGHTINGS, hyperparameter_errors, trim_count)
 from fedact_app.sampling import sample_count
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -310,6 +310,9 @@ class Config:
     precision: str = "fp32"  # bf16: forward/backward under torch.autocast(bfloat16); weights stay fp32
     channels_last: bool = False  # CNNs: model and batches in channels_last memory format
     compile_model: str = "none"  # vision: torch.compile mode of the clients' training forward/backward; none = eager
+    # a machine's training messages of a round trained at once by one process (fedact_app.client_batch); FedACT family
+    client_batch: bool = False
+    client_batch_wait: float = 5.0  # seconds that process waits for the rest of a round's messages
     wire_dtype: str = "float32"  # dtype of the server's broadcast arrays (v_bar, Delta_G, c) on the wire
     eval_every: int = 1  # centralized test-set evaluation every n rounds (and at the last)
     eval_batch_size: int = 500
@@ -348,6 +351,7 @@ class Config:
         _require(self.task == "vision" or self.compile_model == "none", "compile_model", self.compile_model,
                  f"none for task={self.task} (the compiled training step is for task=vision; language "
                  "batches vary in length and DPO switches the adapters off inside the loss)")
+        self._require_client_batch()
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _require(self.max_update_norm is None or self.max_update_norm > 0, "max_update_norm",
                  self.max_update_norm, "> 0, or null (no bound)")
@@ -396,6 +400,20 @@ class Config:
         _require(sampled > 2 * trimmed, "trim_fraction", self.trim_fraction,
                  f"in (0, {largest:g}] for the {sampled} clients a round samples (ceil({self.trim_fraction:g} x "
                  f"{sampled}) = {trimmed} dropped at each end would leave none)")
+
+    def _require_client_batch(self) -> None:
+        """``client_batch`` trains what ``ClientBatch`` can: the FedACT family's vision clients,
+        contiguous."""
+        _require(self.client_batch_wait > 0, "client_batch_wait", self.client_batch_wait, "> 0")
+        if not self.client_batch:
+            return
+        _require(self.algorithm.name in FEDACT_FAMILY, "client_batch", self.client_batch,
+                 f"false for algorithm={self.algorithm.name}: the clients trained at once are those of the FedACT "
+                 f"family ({', '.join(FEDACT_FAMILY)})")
+        _require(self.task == "vision", "client_batch", self.client_batch,
+                 f"false for task={self.task}: the clients trained at once are vision clients")
+        _require(not self.channels_last, "client_batch", self.client_batch,
+                 "false with channels_last=true: the clients trained at once take contiguous batches")
 
     def _require_task_combination(self) -> None:
         """The dataset and the model must be ones of the task (TASK_CHOICES)."""

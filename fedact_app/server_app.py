@@ -17,6 +17,7 @@ from fedact_app.algorithms import ALGORITHMS, TensorDict
 from fedact_app.checkpoint import Checkpointer, client_round_config, open_resume, restore, snapshot
 from fedact_app.config import Config, compose
 from fedact_app.node_slot import remove_run_locks, remove_stale_locks
+from fedact_app.node_worker.gather import CLIENT_BATCH_KEY
 from fedact_app.results import RunRecorder, create_run_dir
 from fedact_app.serverapp_done import mark_done
 from fedact_app.strategy import AlgorithmStrategy
@@ -112,7 +113,8 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
         max_empty_rounds=cfg.max_empty_rounds, max_update_norm=cfg.max_update_norm,
         batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio,
         max_update_ratio=cfg.max_update_ratio, wire_dtype=cfg.wire_dtype,
-        train_config=client_round_config(checkpointer, resume),
+        train_config={**client_round_config(checkpointer, resume),
+                      **({CLIENT_BATCH_KEY: True} if cfg.client_batch else {})},
         device=server_device(cfg))
     if resume is not None:
         restore(strategy, resume.checkpoint)

@@ -60,6 +60,7 @@ from fedact_app.replies import (Acceptance, Accepted, Arrivals, ReplyError, Roun
                                 number, record_bytes, round_arrivals)
 from fedact_app.sampling import (IDENTITY_RECORD, ClientKey, client_key, column_value, describe,
                                  sample_clients, sample_count, unidentified_key)
+from fedact_app.node_worker.gather import ROUND_CLIENTS_KEY
 from fedact_app.timeline import ReplyTimes, round_path
 from fedact_app.wire import packed_record, to_wire
 
@@ -300,14 +301,15 @@ class AlgorithmStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         terms = self.round_terms(server_round)
+        nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes, server_round, "train")
+        log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
+        # round-clients: how many training messages the round sends (a client batch waits for them)
         config = ConfigRecord({**config, **self.train_config, "server-round": server_round,
                                "local-steps": terms.local_steps, "lr": terms.lr,
-                               "global-step": (server_round - 1) * self.local_steps})
+                               "global-step": (server_round - 1) * self.local_steps, ROUND_CLIENTS_KEY: len(nodes)})
         content = RecordDict({"model": arrays, "config": config})
         for key, tensors in self.rule.broadcast().items():
             content[key] = packed_record(to_wire(tensors, self.wire_dtype))
-        nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes, server_round, "train")
-        log(INFO, "round %d: sampled %d nodes", server_round, len(nodes))
         self.sampled_clients = [column_value(self.client_key_of(node)) for node in nodes]
         self.bytes_sent = record_bytes(content) * len(nodes)
         self.messages_sent = len(nodes)

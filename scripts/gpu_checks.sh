@@ -20,6 +20,8 @@
 #   round           bench_round.py --paper: the seed's round, GPU busy share, 300-round projection
 #   round-compiled  the same with compile_model=reduce-overhead (CUDA graphs)
 #   round-2-actors  the seed's round with 0.5 GPU a client: 2 actors, 5 clients one after another in each
+#   round-batched   the seed's round with client_batch=true, CUDA graphs and bf16: its ten clients trained at once by
+#                   one process (ClientBatch); first ClientBatch's float32 CUDA test at ViT-Tiny's shapes: at most 6 minutes
 #   client-batch    bench_client_batch.py --paper: the seed's round's clients trained at once (vmap) against one
 #                   after another in one process, float32 with its operation and kernel counts, then both sides
 #                   with CUDA graphs and bf16 (compile_model=reduce-overhead precision=bf16): at most 8 minutes
@@ -95,6 +97,11 @@ for name in "${@:-optim server}"; do
             step bench-round-mps 270 python3 scripts/bench_round.py --paper --mps \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
         round-2-actors) step bench-round-2-actors 300 python3 scripts/bench_round.py --paper --num-gpus 0.5 ;;
+        round-batched)  # client_batch=true: the round's ten clients trained at once by the machine's batching worker
+            step client-batch-vit-tiny-test 60 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_client_batch.py \
+                -k vit_tiny_shapes
+            step bench-round-batched 300 python3 scripts/bench_round.py --paper \
+                --overrides "client_batch=true compile_model=reduce-overhead precision=bf16" ;;
         client-batch)  # the seed's round's ten clients trained at once (ClientBatch) against one after another
             step client-batch-tests 120 python3 -m pytest -n 0 -p no:cacheprovider -q tests/test_client_batch.py -k cuda
             step bench-client-batch 150 python3 scripts/bench_client_batch.py --paper --profile
@@ -106,7 +113,7 @@ for name in "${@:-optim server}"; do
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
                 --modes floor,floor-distinct,warm ;;
         *) echo "unknown step $one: allowed optim optim-compiled server round round-compiled round-bf16 round-mps" \
-                "round-2-actors client-batch units deploy" >&2; exit 2 ;;
+                "round-2-actors round-batched client-batch units deploy" >&2; exit 2 ;;
         esac
     done
 done

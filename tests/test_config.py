@@ -106,3 +106,15 @@ def test_holdout_fraction_is_a_vision_fraction_off_by_default():
             compose(f"dataset.holdout_fraction={value}")
     with pytest.raises(ConfigError, match="dataset.holdout_fraction.*task=lm_pretrain"):
         compose("task=lm_pretrain dataset=text dataset.path=/x.txt model=llama_tiny dataset.holdout_fraction=0.1")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ("client_batch=true algorithm=fedavg", "client_batch=True: allowed false for algorithm=fedavg.*FedACT family"),
+    ("client_batch=true task=lm_pretrain dataset=text dataset.path=/x.txt model=llama_tiny", "false for task=lm_pretrain"),
+    ("client_batch=true channels_last=true", "false with channels_last=true"),
+    ("client_batch_wait=0", "client_batch_wait=0.0: allowed > 0"),
+])
+def test_client_batch_is_refused_where_the_clients_cannot_train_at_once(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(overrides)
+    assert compose("client_batch=true algorithm=fedadamw").client_batch

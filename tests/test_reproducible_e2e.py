@@ -12,6 +12,7 @@ round by round, a plain in-process loop written here from the seed's Algorithm 1
 
 import json
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,7 +36,8 @@ CONFIG = ("num_clients=6 fraction_train=0.5 min_train_nodes=3 num_rounds=4 local
 # the wall-clock columns are the only ones a repeat may change
 CLOCK_COLUMNS = ("seconds", "client_train_seconds", "client_train_seconds_max", "server_seconds", "eval_seconds",
                  *timeline.COLUMNS)
-JOBS = {"fedact-1": "algorithm=fedact", "fedact-2": "algorithm=fedact", "fedadamw": "algorithm=fedadamw"}
+JOBS = {"fedact-1": "algorithm=fedact", "fedact-2": "algorithm=fedact", "fedadamw": "algorithm=fedadamw",
+        "fedact-batched": "algorithm=fedact client_batch=true"}
 NOTHING_THERE = "127.0.0.1:9"  # a Ray address a run would fail to reach
 
 
@@ -54,7 +56,8 @@ def runs(tmp_path_factory) -> dict:
         return name, (rows, load_file(str(folder / "model.safetensors")), result)
 
     def alone():
-        return [outcome("fedact-1", lambda *a, **kw: run_simulation(*a, **kw, env={"RAY_ADDRESS": NOTHING_THERE}))]
+        return [outcome("fedact-1", lambda *a, **kw: run_simulation(*a, **kw, env={"RAY_ADDRESS": NOTHING_THERE})),
+                outcome("fedact-batched", run_simulation)]
 
     def on_one_engine():
         with LocalEngine() as engine:
@@ -94,6 +97,42 @@ def test_fedact_and_fedadamw_at_one_seed_train_the_same_clients(runs):
     fedact, fedadamw = runs["fedact-1"][0], runs["fedadamw"][0]
     assert [r["sampled_clients"] for r in fedact[1:]] == [r["sampled_clients"] for r in fedadamw[1:]]
     assert fedact[1]["train_loss"] != fedadamw[1]["train_loss"]  # the methods differ, the clients do not
+
+
+@pytest.mark.e2e
+def test_a_batched_run_trains_each_round_at_once_as_the_clients_alone_and_its_worker_ends(runs):
+    """client_batch=true: each round's three clients trained in one batch by the machine's batching
+    worker (one train-seconds for all three replies: the batch's), with the metrics and the model of
+    the run whose clients train alone, within float32's rounding of the batched products; the
+    worker ends with the run's Ray (it watches the raylet)."""
+    (rows, model, result), (alone_rows, alone_model, _) = runs["fedact-batched"], runs["fedact-1"]
+    assert "(clients in batches)" in result.log
+    assert [r["sampled_clients"] for r in rows[1:]] == [r["sampled_clients"] for r in alone_rows[1:]]
+    for row in rows[1:]:
+        assert row["clients"] == 3 and row["client_train_seconds"] == pytest.approx(3 * row["client_train_seconds_max"])
+    for got, want in zip(without_clock(rows), without_clock(alone_rows)):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == (pytest.approx(value, rel=1e-5) if isinstance(value, float) else value), (got["round"], key)
+    for n, want in alone_model.items():
+        torch.testing.assert_close(model[n], want, rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    deadline = time.monotonic() + 10
+    while (left := batching_workers(result.run_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == []
+
+
+def batching_workers(run_id) -> list[int]:
+    """Pids of the batching workers of run ``run_id`` still running."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"fedact_app.node_worker.serve" in args and b"--batched" in args and str(run_id).encode() in args:
+            pids.append(int(cmdline.parent.name))
+    return pids
 
 
 # ---------------------------------------------------------------- the oracle: Algorithm 1, written out

@@ -135,3 +135,19 @@ def test_sweeps_refuse_a_negative_gpu_share(fake_engine, capsys):
     with pytest.raises(SystemExit):
         sweep.parse_launch_options(["--num-gpus", "-1", "seed=1"])
     assert "--num-gpus must be >= 0 (GPUs per client), got -1.0" in capsys.readouterr().err
+
+
+def test_client_batch_gives_every_sampled_client_a_clientapp(machine):
+    """With client_batch the ClientApps only hold their messages for the machine's batching worker:
+    Ray counts enough CPUs for one each, and the GPU share is over all of them."""
+    batched = f"{PAPER} client_batch=true"
+    assert resources.clients_at_once(compose(batched), 1, 4) == 10
+    assert resources.ray_cpus(compose(batched), 1, 4) == 10
+    assert resources.ray_cpus(compose(batched), 2, 4) == 20
+    assert resources.ray_cpus(compose(batched), 1, 16) == 16
+    assert resources.ray_cpus(compose(PAPER), 1, 4) == 4
+    machine(gpus=1, cpus=4)
+    assert resources.client_gpus(compose(batched), 1, None) == 0.1
+    assert launch.batching_federation(REPO_ROOT, batched, 1) == {"init-args-num-cpus": 10}
+    assert launch.batching_federation(REPO_ROOT, PAPER, 1) == {}
+    assert launch.batching_federation(REPO_ROOT, "client_batch=true algorithm=fedavg", 1) == {}  # the run says why

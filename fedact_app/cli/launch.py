@@ -106,9 +106,11 @@ def run_simulation(  # noqa: PLR0913 - a flat, explicit signature reads best her
     LaunchError: the SuperLink did not start or did not accept the run.
     """
     t0 = time.monotonic()
+    submitted = overrides or str((run_config or {}).get("overrides", ""))
     if num_gpus_per_client is None:
-        submitted = overrides or str((run_config or {}).get("overrides", ""))
         num_gpus_per_client = automatic_gpus(Path(app_dir), submitted, num_cpus_per_client)
+    federation_config = {**batching_federation(Path(app_dir), submitted, num_cpus_per_client),
+                         **(federation_config or {})}
     engine = LocalEngine(shared_ray=False, env=env, cwd=cwd, flwr_home=flwr_home, mps=mps)
     with engine:  # checks the arguments, then starts the SuperLink; stops it on the way out
         result = engine.run(app_dir, overrides, num_supernodes, num_cpus_per_client, num_gpus_per_client,
@@ -177,6 +179,19 @@ def automatic_gpus(app: Path, overrides: str, num_cpus_per_client: int) -> float
         return resources.client_gpus(app_config(app, overrides), num_cpus_per_client, None)
     except ValueError:  # the run itself reports what is wrong with the config
         return 0.0
+
+
+def batching_federation(app: Path, overrides: str, num_cpus_per_client: int) -> dict[str, int]:
+    """``init-args-num-cpus`` for a run with ``client_batch``: enough ClientApps for every client a
+    round samples (:func:`resources.ray_cpus`); {} for other runs, other apps, or overrides that do
+    not compose (the run reports their error)."""
+    try:
+        cfg = app_config(app, overrides)
+    except ValueError:
+        return {}
+    if cfg is None or not cfg.client_batch:
+        return {}
+    return {"init-args-num-cpus": resources.ray_cpus(cfg, num_cpus_per_client, resources.machine_cpus())}
 
 
 def check_local_files(cfg: Any) -> None:

@@ -53,9 +53,23 @@ def machine_cpus() -> int:
 
 
 def clients_at_once(cfg: Any, num_cpus_per_client: int, cpus: int) -> int:
-    """Clients of one round that train at the same time: those sampled, as many as the CPUs hold."""
+    """Clients of one round that train at the same time: those sampled, as many as the CPUs hold
+    (with ``client_batch``, all of them: :func:`ray_cpus`)."""
     sampled = sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes)
+    if getattr(cfg, "client_batch", False):
+        return sampled
     return max(1, min(sampled, cpus // max(1, num_cpus_per_client)))
+
+
+def ray_cpus(cfg: Any, num_cpus_per_client: int, cpus: int) -> int:
+    """CPUs a simulation's Ray counts: the machine's ``cpus``; with ``client_batch`` at least one
+    ClientApp's ``num_cpus_per_client`` for every client a round samples. Its ClientApps then
+    only hand their training messages to the machine's batching worker
+    (``fedact_app.node_worker.gather``), which trains them at once: every client of a round
+    needs a ClientApp holding its message, or the batch waits ``client_batch_wait`` for it."""
+    if not getattr(cfg, "client_batch", False):
+        return cpus
+    return max(cpus, sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes) * num_cpus_per_client)
 
 
 def gpu_share(device: str, at_once: int, gpus: int) -> float:

@@ -29,6 +29,7 @@ from flwr.common import log
 
 import fedact_app
 from fedact_app.cli.procs import malloc_env, start_time
+from fedact_app.cli.resources import machine_cpus
 from fedact_app.node_config import WARM_WORKER_KEY, switch, worker_idle_timeout
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, check_socket, peer,
                                             private_dir, recv_frames, send_frames, socket_path, worker_key)
@@ -59,14 +60,16 @@ def wanted(context: Context) -> bool:
             and switch(context.node_config.get(WARM_WORKER_KEY, True), WARM_WORKER_KEY))
 
 
-def forward(kind: str, msg: Message, context: Context) -> Message | None:
+def forward(kind: str, msg: Message, context: Context, batched: bool = False) -> Message | None:
     """The worker's reply to ``msg`` (a ``kind`` message: "train" or "evaluate"), with
-    ``context.state`` replaced by the state the worker's work left; None where no worker took it."""
+    ``context.state`` replaced by the state the worker's work left; None where no worker took it.
+    ``batched``: the machine's worker that trains the run's clients in batches
+    (:mod:`fedact_app.node_worker.gather`) takes the training message, whatever node sent it."""
     from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
     from flwr.proto.message_pb2 import Context as ProtoContext, Message as ProtoMessage
 
     try:
-        sock, pid, key = connect(context)
+        sock, pid, key = connect(context, batched)
     except (OSError, UnsafeChannel, ValueError, TimeoutError) as err:
         log(WARNING, "node %d: no warm worker (%s); the ClientApp works on this message itself",
             context.node_id, err)
@@ -122,19 +125,20 @@ def prepare(context: Context) -> None:
         log(WARNING, "node %d: no warm worker to prepare (%s)", context.node_id, err)
 
 
-def connect(context: Context) -> tuple[socket.socket, int, str]:
-    """A socket connected to this node's and run configuration's worker, the worker's pid and its
-    key; the worker is started where none listens."""
+def connect(context: Context, batched: bool = False) -> tuple[socket.socket, int, str]:
+    """A socket connected to this node's and run configuration's worker (``batched``: the run
+    configuration's batching worker, shared by the machine's nodes), the worker's pid and its key;
+    the worker is started where none listens."""
     directory = private_dir()
     node_process = supernode_process()
-    key = worker_key({"run": context.run_id, "node": context.node_id, "run-config": context.run_config,
-                      "node-config": context.node_config, "app": app_dir(), "python": sys.executable,
-                      "supernode": node_process})
+    run = {"run": context.run_id, "run-config": context.run_config, "app": app_dir(), "python": sys.executable}
+    key = worker_key({**run, "batched": True} if batched else
+                     {**run, "node": context.node_id, "node-config": context.node_config, "supernode": node_process})
     path = socket_path(directory, key)
     with _locked(directory / f"{key}.lock"):
         sock = _try_connect(path)
         if sock is None:
-            _start(path, key, context, node_process)
+            _start(path, key, context, node_process, batched)
             deadline = time.monotonic() + START_TIMEOUT
             while (sock := _try_connect(path)) is None:
                 if time.monotonic() > deadline:
@@ -168,16 +172,21 @@ def _try_connect(path: Path) -> socket.socket | None:
         raise
 
 
-def _start(path: Path, key: str, context: Context, node_process: tuple[int, int]) -> None:
+def _start(path: Path, key: str, context: Context, node_process: tuple[int, int], batched: bool = False) -> None:
     """Start a worker for ``path``; it inherits this process's environment (with the malloc
     settings that keep freed memory for the next message, ``procs.malloc_env``), working
-    directory and output (the SuperNode's log), and outlives this process (a session of its own)."""
+    directory and output (the SuperNode's log), and outlives this process (a session of its own).
+    A batching worker inherits it from the first of the machine's ClientApps to need it (in a
+    simulation, a Ray actor: its ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``) and watches
+    that ClientApp's SuperNode, or its parent (Ray's raylet)."""
     env = {**malloc_env(os.environ), **os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [app_dir(), os.environ.get("PYTHONPATH")]))}
+    if batched:  # the machine's one training process: its CPUs, not one ClientApp's share (Ray's OMP_NUM_THREADS)
+        env["OMP_NUM_THREADS"] = str(machine_cpus())
     command = [sys.executable, "-m", "fedact_app.node_worker.serve", "--socket", str(path), "--key", key,
                "--run-id", str(context.run_id), "--node-id", str(context.node_id),
                "--watch-pid", str(node_process[0]), "--watch-start", str(node_process[1]),
-               "--idle", str(worker_idle_timeout(context.node_config))]
+               "--idle", str(worker_idle_timeout(context.node_config)), *(["--batched"] if batched else [])]
     _STARTED.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
 
 

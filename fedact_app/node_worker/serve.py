@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watch-pid", required=True, type=int, help="end when this process (the SuperNode) ends")
     parser.add_argument("--watch-start", required=True, type=int, help="its start time (/proc/<pid>/stat field 22)")
     parser.add_argument("--idle", required=True, type=float, help="end after this many seconds without a message")
+    parser.add_argument("--batched", action="store_true",
+                        help="train the run's training messages of every node in batches (node_worker.gather)")
     args = parser.parse_args(argv)
     # bound and listening under a name of its own, then linked to the socket's name: a client never
     # meets the name bound but not yet listening (it would take it for a dead worker's)
@@ -49,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     from fedact_app.cli.procs import start_time
     from fedact_app.node_worker.worker import Worker
 
-    label = f"of run {args.run_id} node {args.node_id}"
-    worker = Worker(listener, args.socket, args.key, label, (args.watch_pid, args.watch_start), args.idle)
+    label = f"of run {args.run_id} " + ("(clients in batches)" if args.batched else f"node {args.node_id}")
+    worker = Worker(listener, args.socket, args.key, label, (args.watch_pid, args.watch_start), args.idle,
+                    args.batched)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop("SIGTERM"))
     info_path(args.socket).write_text(json.dumps({
         "pid": os.getpid(), "start-time": start_time(os.getpid()), "run-id": args.run_id,
         "node-id": args.node_id, "socket": str(args.socket), "supernode-pid": args.watch_pid,
-        "idle-timeout": args.idle, "started": time.time()}))
+        "idle-timeout": args.idle, "batched": args.batched, "started": time.time()}))
     worker.serve()
     return 0
 

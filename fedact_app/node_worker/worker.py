@@ -29,6 +29,7 @@ from flwr.common import log
 from fedact_app.cli.procs import start_time
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, info_path, peer, recv_frames,
                                             send_frames)
+from fedact_app.node_worker.gather import Gather
 
 WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
 
@@ -37,9 +38,11 @@ class Worker:
     """One node's and one run configuration's worker, serving the socket ``listener``."""
 
     def __init__(self, listener: socket.socket, path: Path, key: str, label: str,
-                 watch: tuple[int, int], idle_timeout: float) -> None:
+                 watch: tuple[int, int], idle_timeout: float, batched: bool = False) -> None:
         self.listener, self.path, self.key, self.label = listener, path, key, label
         self.work = None  # fedact_app.client_work, imported by serve()
+        self.gather = None  # batched: the training messages' batches (Gather), made by serve()
+        self.batched = batched
         self.inode = os.stat(path).st_ino  # the socket file this worker made (a successor may replace it)
         self.watch, self.idle_timeout = watch, idle_timeout
         self.lock = threading.Lock()  # guards the counters below and the config's first composition
@@ -51,6 +54,8 @@ class Worker:
         from fedact_app import client_work  # torch, timm, Hydra: after the socket exists
 
         self.work = client_work
+        if self.batched:
+            self.gather = Gather(client_work.train_contents)
         threading.Thread(target=self._watch, daemon=True, name="watch").start()
         log(INFO, "warm worker %s (pid %d) serving %s", self.label, os.getpid(), self.path)
         while True:
@@ -102,7 +107,10 @@ class Worker:
             with self.ready, self.lock:  # Hydra's composition is not thread-safe; later calls hit its cache
                 deadline = self.work.message_deadline(msg, self.work.run_round_timeout(context))
             send_frames(conn, {"ack": True, "deadline": deadline})
-            reply = self.work.run_message(kind, msg, context)
+            if self.batched and kind == "train":
+                reply = self.work.run_batched_train(msg, context, self.gather)
+            else:
+                reply = self.work.run_message(kind, msg, context)
         except Exception as ex:  # noqa: BLE001 - the ClientApp process raises it for Flower to report
             log(ERROR, "warm worker %s: %s", self.label, traceback.format_exc())
             send_frames(conn, {"raised": f"{type(ex).__name__}: {ex}"})
