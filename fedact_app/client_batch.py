@@ -11,8 +11,9 @@ each row's views shaped like the model's tensors (``"tensor"``: one selection pe
 tensor). Its tensor scope selects within each of its parameters, which is why the rows are the
 parameters. So a step of C clients runs about as many PyTorch operations as a step of one: on a
 GPU, where a client's step is bound by launching kernels, the C clients' steps share the
-launches. A ClientApp trains one client a message (:mod:`fedact_app.client_trainer`);
-``scripts/bench_client_batch.py`` measures this against the same clients one after another.
+launches. A run with ``client_batch=true`` trains each round's clients with it
+(``ClientTrainer.train_batch``, fed by :mod:`fedact_app.node_worker.gather`);
+``scripts/bench_client_batch.py`` measures it against the same clients one after another.
 
 Each client's step is the step :class:`FedACTAdamW` takes for that client alone, from the same
 batches; the batched matrix products may round differently from one client's (in float64 the

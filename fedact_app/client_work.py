@@ -24,7 +24,7 @@ from fedact_app.client_trainer import ClientTrainer, RoundResult, trainer_for
 from fedact_app.config import Config, compose
 from fedact_app.finite import describe_names, non_finite
 from fedact_app.node_config import DATA_PATH_KEY
-from fedact_app.node_worker.gather import ROUND_CLIENTS_KEY, Gather
+from fedact_app.node_worker.gather import ROUND_CLIENTS_KEY, Gather, Ticket
 from fedact_app.node_slot import node_slot
 from fedact_app.registry import FILE_DATASETS
 from fedact_app.wire import packed_record, unpacked
@@ -285,14 +285,15 @@ def prepare(context: Context) -> None:
     trainer.task.describe_train_data(partition_id, num_partitions)
 
 
-def run_batched_train(msg: Message, context: Context, gather: Gather) -> Message:
+def run_batched_train(msg: Message, context: Context, gather: Gather, ticket: Ticket | None = None) -> Message:
     """The reply to a training message of a run with ``client_batch=true``: its client trained at
-    once with the other clients of its round that ``gather`` puts in its batch."""
+    once with the other clients of its round that ``gather`` puts in its batch (``ticket``: the
+    message's :meth:`Gather.arrival`)."""
     config = msg.content["config"]
     wait = _compose(str(context.run_config.get("overrides", ""))).client_batch_wait
     group = (msg.metadata.run_id, int(config["server-round"]))
     return handle(msg, context, lambda msg, context: gather.submit(
-        group, int(config[ROUND_CLIENTS_KEY]), wait, (msg.content, context)))
+        group, int(config[ROUND_CLIENTS_KEY]), wait, (msg.content, context), ticket))
 
 
 def run_message(kind: str, msg: Message, context: Context) -> Message:

@@ -312,7 +312,7 @@ class Config:
     compile_model: str = "none"  # vision: torch.compile mode of the clients' training forward/backward; none = eager
     # a machine's training messages of a round trained at once by one process (fedact_app.client_batch); FedACT family
     client_batch: bool = False
-    client_batch_wait: float = 5.0  # seconds that process waits for the rest of a round's messages
+    client_batch_wait: float = 0.5  # seconds without a new message after which that process trains the ones it has
     wire_dtype: str = "float32"  # dtype of the server's broadcast arrays (v_bar, Delta_G, c) on the wire
     eval_every: int = 1  # centralized test-set evaluation every n rounds (and at the last)
     eval_batch_size: int = 500

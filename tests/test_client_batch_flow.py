@@ -98,6 +98,30 @@ def test_the_messages_that_came_train_after_the_wait_and_the_rest_of_the_round_l
     assert train.batches == [[5, 6], [7]]
 
 
+def test_a_message_still_being_read_holds_the_partial_batch_back_and_a_dropped_one_does_not():
+    """The worker takes a ticket as it accepts a connection: reading a large message can outlast
+    the wait, and the message belongs in the batch."""
+    train = Recorder()
+    gather = Gather(train)
+
+    def read_slowly(item, submit=True):
+        with gather.arrival() as ticket:
+            time.sleep(1.0)  # reading and decoding the message
+            return gather.submit("r", 3, 0.2, item, ticket) if submit else None
+
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(read_slowly, 2)
+        time.sleep(0.05)
+        (fast, seconds), = submit_all(gather, [("r", 3, 0.2, 1)])
+        assert (fast, slow.result()) == (10, 20) and seconds >= 1.0
+        assert train.batches == [[1, 2]]
+        dropped = pool.submit(read_slowly, 4, submit=False)
+        time.sleep(0.05)
+        (alone, seconds), = submit_all(gather, [("q", 3, 0.2, 3)])
+        assert dropped.result() is None and alone == 30 and 1.0 <= seconds < 1.8
+    assert train.batches == [[1, 2], [3]]
+
+
 def test_rounds_batch_apart_one_batch_at_a_time_on_one_thread_and_errors_stay_with_their_messages():
     train = Recorder(fail_on=99, seconds=0.2)
     gather = Gather(train)

@@ -4,20 +4,32 @@
 The server says in each training message's config whether its clients are batched
 (``client-batch``) and how many training messages the round sends (``round-clients``). The
 ClientApps of a machine hand such messages to one shared warm worker
-(:mod:`fedact_app.node_worker.forward`), which serves each on a thread of its own and passes it
-to :meth:`Gather.submit`. A batch runs as soon as every message of the round not yet trained has
-arrived, or ``wait`` seconds after the first of those arrived (a round whose clients outnumber
-the machine's ClientApps, which each hold one message until its reply); one batch runs at a time.
-No torch here: what a batch does is the ``train`` function given.
+(:mod:`fedact_app.node_worker.forward`), which serves each on a thread of its own: it takes an
+:meth:`Gather.arrival` ticket as it accepts the connection, then reads the message and passes it
+to :meth:`Gather.submit`. A batch of a round's waiting messages runs
+
+- at once when every message of the round not yet trained is there;
+- else once no message is still being read and none has come for ``wait`` seconds: a round can
+  have more clients than ClientApps running at once (each holds its message until the reply;
+  Flower's simulation runs at most as many as its actors and the threads of its pool, Python's
+  default ``min(32, CPUs + 4)``), and the rest of its messages come only after this batch's
+  replies.
+
+One batch runs at a time, on one thread of the Gather's own. No torch here: what a batch does
+is the ``train`` function given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from logging import INFO
 from typing import Any
+
+from flwr.common import log
 
 CLIENT_BATCH_KEY = "client-batch"  # train config: true where the run trains its clients in batches
 ROUND_CLIENTS_KEY = "round-clients"  # train config: the number of training messages of the round
@@ -26,6 +38,7 @@ ROUND_CLIENTS_KEY = "round-clients"  # train config: the number of training mess
 @dataclass
 class _Entry:
     item: Any
+    arrival: float = field(default_factory=time.monotonic)
     outcome: Any = None
     done: bool = False
 
@@ -37,33 +50,58 @@ class _Group:
     expected: int
     wait: float
     waiting: list[_Entry] = field(default_factory=list)
-    first_arrival: float = 0.0  # monotonic time the oldest waiting entry arrived
     taken: int = 0
 
-    def due(self) -> float:
-        """Seconds until the waiting entries train: 0 once the round's untrained messages are all
-        here or the wait is over."""
-        if self.taken + len(self.waiting) >= self.expected:
-            return 0.0
-        return max(0.0, self.first_arrival + self.wait - time.monotonic())
+    def complete(self) -> bool:
+        """Every message of the round not yet trained is waiting."""
+        return self.taken + len(self.waiting) >= self.expected
+
+
+class Ticket:
+    """A message being read: until it is submitted or dropped, no partial batch starts."""
+
+    def __init__(self) -> None:
+        self.open = True
 
 
 class Gather:
     """Batches of the items submitted per group (a run's round), trained one batch at a time by
     ``train(items) -> outcomes`` (an outcome per item, in order: a result, or the exception that
     item's work raised) on one thread of its own: CUDA graphs (``compile_model=reduce-overhead``)
-    are kept per thread, and a batch on another thread would record them anew."""
+    are kept per thread, and a batch on another thread would record them anew. ``label(group)``
+    names a group in the log line each batch writes."""
 
-    def __init__(self, train: Callable[[list[Any]], list[Any]]) -> None:
-        self.train = train
+    def __init__(self, train: Callable[[list[Any]], list[Any]], label: Callable[[Hashable], str] = str) -> None:
+        self.train, self.label = train, label
         self.changed = threading.Condition()
         self.groups: dict[Hashable, _Group] = {}
+        self.reading = 0  # open tickets: messages accepted and not yet submitted
+        self.last_arrival = time.monotonic()  # of a ticket or a submitted item
         self.thread: threading.Thread | None = None
 
-    def submit(self, group: Hashable, expected: int, wait: float, item: Any) -> Any:
+    @contextlib.contextmanager
+    def arrival(self) -> Iterator[Ticket]:
+        """A ticket for a message about to be read; pass it to :meth:`submit`. A ticket not
+        submitted (the message was skipped, or failed to read) is dropped on exit."""
+        ticket = Ticket()
+        with self.changed:
+            self.reading += 1
+            self.last_arrival = time.monotonic()
+        try:
+            yield ticket
+        finally:
+            with self.changed:
+                self._close(ticket)
+
+    def _close(self, ticket: Ticket | None) -> None:
+        if ticket is not None and ticket.open:
+            ticket.open = False
+            self.reading -= 1
+            self.changed.notify_all()
+
+    def submit(self, group: Hashable, expected: int, wait: float, item: Any, ticket: Ticket | None = None) -> Any:
         """``item``'s result (raising its exception), once it has been trained in a batch of its
-        ``group``'s items: all ``expected`` of them that were not yet trained, or those that
-        arrived within ``wait`` seconds of the first one waiting."""
+        ``group``'s items (the module docstring says when a batch runs)."""
         if expected < 1 or wait <= 0:
             raise ValueError(f"a batch needs expected >= 1 and wait > 0; got expected={expected}, wait={wait}")
         entry = _Entry(item)
@@ -71,10 +109,9 @@ class Gather:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._serve, daemon=True, name="client-batches")
                 self.thread.start()
-            state = self.groups.setdefault(group, _Group(expected, wait))
-            if not state.waiting:
-                state.first_arrival = time.monotonic()
-            state.waiting.append(entry)
+            self.groups.setdefault(group, _Group(expected, wait)).waiting.append(entry)
+            self.last_arrival = entry.arrival
+            self._close(ticket)
             self.changed.notify_all()
             while not entry.done:
                 self.changed.wait()
@@ -82,11 +119,20 @@ class Gather:
             raise entry.outcome
         return entry.outcome
 
+    def _due(self, state: _Group) -> float | None:
+        """Seconds until ``state``'s waiting entries train (0: now); None while a message is read."""
+        if state.complete():
+            return 0.0
+        if self.reading:
+            return None
+        return max(0.0, self.last_arrival + state.wait - time.monotonic())
+
     def _serve(self) -> None:
         """Train each group's waiting entries once they are due, one batch at a time."""
         with self.changed:
             while True:
-                waiting = [(state.due(), key) for key, state in self.groups.items() if state.waiting]
+                waiting = [(due, key) for key, state in self.groups.items()
+                           if state.waiting and (due := self._due(state)) is not None]
                 if not waiting:
                     self.changed.wait()
                     continue
@@ -103,6 +149,7 @@ class Gather:
         if state.taken >= state.expected:
             del self.groups[group]
         self.changed.release()
+        started = time.monotonic()
         try:
             outcomes = self.train([entry.item for entry in batch])
             if len(outcomes) != len(batch):
@@ -114,3 +161,7 @@ class Gather:
         for entry, outcome in zip(batch, outcomes):
             entry.outcome, entry.done = outcome, True
         self.changed.notify_all()
+        arrivals = [entry.arrival for entry in batch]
+        log(INFO, "%s: %d of %d messages trained at once in %.2f s; they arrived over %.2f s, the batch began "
+            "%.2f s after the first", self.label(group), len(batch), state.expected, time.monotonic() - started,
+            max(arrivals) - min(arrivals), started - min(arrivals))

@@ -16,6 +16,7 @@ It ends, removing its socket, when the process it watches (its SuperNode) is gon
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -29,7 +30,7 @@ from flwr.common import log
 from fedact_app.cli.procs import start_time
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, info_path, peer, recv_frames,
                                             send_frames)
-from fedact_app.node_worker.gather import Gather
+from fedact_app.node_worker.gather import Gather, Ticket
 
 WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
 
@@ -55,7 +56,7 @@ class Worker:
 
         self.work = client_work
         if self.batched:
-            self.gather = Gather(client_work.train_contents)
+            self.gather = Gather(client_work.train_contents, lambda group: f"run {group[0]} round {group[1]}")
         threading.Thread(target=self._watch, daemon=True, name="watch").start()
         log(INFO, "warm worker %s (pid %d) serving %s", self.label, os.getpid(), self.path)
         while True:
@@ -66,7 +67,8 @@ class Worker:
         with self.lock:
             self.active += 1
         try:
-            with conn:
+            # batched: a message being read holds back the round's partial batch (node_worker.gather)
+            with conn, (self.gather.arrival() if self.batched else contextlib.nullcontext()) as ticket:
                 peer(conn)
                 header, blobs = recv_frames(conn)
                 if header.get("key") != self.key:
@@ -75,7 +77,7 @@ class Worker:
                 if header.get("kind") == PREPARE:
                     self._prepare(blobs)
                 else:
-                    self._answer(conn, str(header.get("kind")), blobs)
+                    self._answer(conn, str(header.get("kind")), blobs, ticket)
         except (ChannelClosed, UnsafeChannel, OSError, ValueError) as err:
             log(WARNING, "warm worker %s: a connection ended without a reply (%s)", self.label, err)
         finally:
@@ -95,7 +97,7 @@ class Worker:
             except Exception as ex:  # noqa: BLE001
                 log(WARNING, "warm worker %s: preparing failed (%s); the messages will say why", self.label, ex)
 
-    def _answer(self, conn: socket.socket, kind: str, blobs: list[bytes]) -> None:
+    def _answer(self, conn: socket.socket, kind: str, blobs: list[bytes], ticket: Ticket | None = None) -> None:
         """Ack with the message's deadline, then the reply and the Context it leaves; where the
         work raises, its exception's type and text instead, as a cold ClientApp would fail."""
         from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
@@ -108,7 +110,7 @@ class Worker:
                 deadline = self.work.message_deadline(msg, self.work.run_round_timeout(context))
             send_frames(conn, {"ack": True, "deadline": deadline})
             if self.batched and kind == "train":
-                reply = self.work.run_batched_train(msg, context, self.gather)
+                reply = self.work.run_batched_train(msg, context, self.gather, ticket)
             else:
                 reply = self.work.run_message(kind, msg, context)
         except Exception as ex:  # noqa: BLE001 - the ClientApp process raises it for Flower to report
