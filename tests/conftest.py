@@ -1,8 +1,12 @@
 """Test setup: no network on CI, so every hub and Flower network feature is switched off here."""
 
 import atexit
+import contextlib
+import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -174,3 +178,22 @@ def no_torch_compile(monkeypatch):
 
     monkeypatch.setattr(topk, "_compile_failures", [])
     monkeypatch.setattr(topk.torch, "compile", broken)
+
+
+@pytest.fixture
+def workers(monkeypatch):
+    """A private warm-worker folder of a short path (a socket path has at most 107 bytes); every
+    worker (fedact_app.node_worker) started in it is stopped afterwards."""
+    from fedact_app.node_worker import channel, forward
+
+    folder = Path(tempfile.mkdtemp(prefix="fw-"))
+    monkeypatch.setenv(channel.WORKER_DIR_ENV, str(folder / "w"))
+    yield folder / "w"
+    for info in (folder / "w").glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
+    for started in forward._STARTED:  # reaped here, not warned about at exit
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            started.wait(timeout=10)
+    forward._STARTED.clear()
+    shutil.rmtree(folder, ignore_errors=True)

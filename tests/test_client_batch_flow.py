@@ -3,13 +3,8 @@
 machine's batching worker that the ClientApps hand them to. tests/test_reproducible_e2e.py runs
 it through a real simulation."""
 
-import contextlib
 import json
 import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +17,7 @@ from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
 from fedact_app import client_app, client_work
 from fedact_app.client_work import InjectedFault
 from fedact_app.config import compose
-from fedact_app.node_worker import channel, forward
+from fedact_app.node_worker import forward
 from fedact_app.node_worker.gather import CLIENT_BATCH_KEY, ROUND_CLIENTS_KEY, Gather
 from fedact_app.tasks.vision.models import build_model
 from fedact_app.wire import packed_record, unpacked
@@ -212,22 +207,6 @@ def test_a_client_whose_round_fails_fails_alone():
 
 
 # ---------------------------------------------------------------- the machine's batching worker
-
-
-@pytest.fixture
-def workers(monkeypatch):
-    """A private worker folder of a short path; every worker started in it is stopped afterwards."""
-    folder = Path(tempfile.mkdtemp(prefix="fb-"))
-    monkeypatch.setenv(channel.WORKER_DIR_ENV, str(folder / "w"))
-    yield folder / "w"
-    for info in (folder / "w").glob("*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
-    for started in forward._STARTED:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            started.wait(timeout=10)
-    forward._STARTED.clear()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_the_clientapps_hand_a_rounds_messages_to_one_worker_that_trains_them_at_once(workers):

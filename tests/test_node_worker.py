@@ -2,15 +2,12 @@
 processes: replies equal to the cold ones, its ends, its faults, and what it refuses.
 tests/test_deploy.py runs it through real SuperNodes."""
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,23 +28,6 @@ from fedact_app.wire import packed_record, unpacked
 pytestmark = pytest.mark.timeout(300)
 # SCAFFOLD: the client keeps c_i in its Context.state, which must travel to the worker and back
 RUN = "algorithm=scaffold num_clients=2 local_steps=3 batch_size=16 device=cpu"
-
-
-@pytest.fixture
-def workers(monkeypatch):
-    """A private worker folder of a short path (a socket path has at most 107 bytes); every worker
-    started in it is stopped afterwards."""
-    folder = Path(tempfile.mkdtemp(prefix="fw-"))
-    monkeypatch.setenv(channel.WORKER_DIR_ENV, str(folder / "w"))
-    yield folder / "w"
-    for info in (folder / "w").glob("*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
-    for started in forward._STARTED:  # reaped here, not warned about at exit
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            started.wait(timeout=10)
-    forward._STARTED.clear()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def context(run_id=5, partition_id=0, overrides=RUN, **node_config):
