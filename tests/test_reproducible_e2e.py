@@ -37,7 +37,8 @@ CONFIG = ("num_clients=6 fraction_train=0.5 min_train_nodes=3 num_rounds=4 local
 CLOCK_COLUMNS = ("seconds", "client_train_seconds", "client_train_seconds_max", "server_seconds", "eval_seconds",
                  *timeline.COLUMNS)
 JOBS = {"fedact-1": "algorithm=fedact", "fedact-2": "algorithm=fedact", "fedadamw": "algorithm=fedadamw",
-        "fedact-batched": "algorithm=fedact client_batch=true"}
+        # a long wait: every round's three messages in one batch, however loaded the machine
+        "fedact-batched": "algorithm=fedact client_batch=true client_batch_wait=30"}
 NOTHING_THERE = "127.0.0.1:9"  # a Ray address a run would fail to reach
 
 
