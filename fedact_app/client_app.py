@@ -32,7 +32,7 @@ def reply(kind: str, msg: Message, context: Context) -> Message:
     """The reply to a ``kind`` message: from the machine's batching worker where the run trains
     its clients in batches (a training message), or from the node's warm worker where one takes
     it, else worked on here."""
-    if kind == "train" and batched(msg):
+    if kind == "train" and batched(msg) and forward.allowed(context):
         if (answer := forward.forward(kind, msg, context, batched=True)) is not None:
             return answer
     elif forward.wanted(context) and (answer := forward.forward(kind, msg, context)) is not None:

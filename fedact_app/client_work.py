@@ -199,15 +199,22 @@ def train_content(content: RecordDict, context: Context) -> RecordDict:
     return train_reply(request, result, time.perf_counter() - started)
 
 
-def train_contents(items: list[tuple[RecordDict, Context]]) -> list[RecordDict | Exception]:
-    """The replies of training messages of one round, their clients trained at once
+class MessageLate(RuntimeError):
+    """A batched message whose deadline passed while it waited for its batch: not trained."""
+
+
+def train_contents(items: list[tuple[RecordDict, Context, float]]) -> list[RecordDict | Exception]:
+    """The replies of training messages of one round, each given with its ``Context`` and its
+    deadline (:func:`message_deadline`), their clients trained at once
     (``ClientTrainer.train_batch``), one batch per trainer (a node with its own ``data-path`` has
-    its own): a reply per message, in order, or the exception its round raised. Each reply's
-    ``train-seconds`` is its batch's."""
+    its own): a reply per message, in order, or the exception its round raised (``MessageLate``
+    past its deadline). Each reply's ``train-seconds`` is its batch's."""
     outcomes: list[RecordDict | Exception | None] = []
     batches: dict[int, list[tuple[int, TrainRequest]]] = {}
-    for content, context in items:
+    for content, context, deadline in items:
         try:
+            if (late := time.time() - deadline) > 0:
+                raise MessageLate(f"not trained: the message's deadline passed {late:.1f} s before its batch began")
             request = train_request(content, context)
         except Exception as ex:  # noqa: BLE001 - this message's round fails, the others train
             outcomes.append(ex)
@@ -225,10 +232,12 @@ def train_contents(items: list[tuple[RecordDict, Context]]) -> list[RecordDict |
                 lr=float(config["lr"]), local_steps=int(config["local-steps"]),
                 global_step=int(config["global-step"]))
             seconds = time.perf_counter() - started
-            for (position, request), result in zip(batch, results):
-                outcomes[position] = train_reply(request, result, seconds)
         except Exception as ex:  # noqa: BLE001 - every message of this batch fails with it
-            for position, _ in batch:
+            results, seconds = [ex] * len(batch), 0.0
+        for (position, request), result in zip(batch, results, strict=True):
+            try:
+                outcomes[position] = result if isinstance(result, Exception) else train_reply(request, result, seconds)
+            except Exception as ex:  # noqa: BLE001 - this reply alone fails
                 outcomes[position] = ex
     return outcomes
 
@@ -290,10 +299,15 @@ def run_batched_train(msg: Message, context: Context, gather: Gather, ticket: Ti
     once with the other clients of its round that ``gather`` puts in its batch (``ticket``: the
     message's :meth:`Gather.arrival`)."""
     config = msg.content["config"]
-    wait = _compose(str(context.run_config.get("overrides", ""))).client_batch_wait
+    if ROUND_CLIENTS_KEY not in config:
+        raise ValueError(f"A training message of a client_batch=true run lacks {ROUND_CLIENTS_KEY!r} in its "
+                         "config (the number of the round's training messages, which this app's ServerApp "
+                         f"sends); config keys seen: {sorted(config)}")
+    cfg = _compose(str(context.run_config.get("overrides", "")))
     group = (msg.metadata.run_id, int(config["server-round"]))
+    deadline = message_deadline(msg, cfg.round_timeout)
     return handle(msg, context, lambda msg, context: gather.submit(
-        group, int(config[ROUND_CLIENTS_KEY]), wait, (msg.content, context), ticket))
+        group, int(config[ROUND_CLIENTS_KEY]), cfg.client_batch_wait, (msg.content, context, deadline), ticket))
 
 
 def run_message(kind: str, msg: Message, context: Context) -> Message:

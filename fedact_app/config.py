@@ -404,7 +404,8 @@ class Config:
     def _require_client_batch(self) -> None:
         """``client_batch`` trains what ``ClientBatch`` can: the FedACT family's vision clients,
         contiguous."""
-        _require(self.client_batch_wait > 0, "client_batch_wait", self.client_batch_wait, "> 0")
+        _require(0 < self.client_batch_wait <= self.round_timeout, "client_batch_wait", self.client_batch_wait,
+                 f"> 0 and <= round_timeout ({self.round_timeout:g})")
         if not self.client_batch:
             return
         _require(self.algorithm.name in FEDACT_FAMILY, "client_batch", self.client_batch,
@@ -414,6 +415,8 @@ class Config:
                  f"false for task={self.task}: the clients trained at once are vision clients")
         _require(not self.channels_last, "client_batch", self.client_batch,
                  "false with channels_last=true: the clients trained at once take contiguous batches")
+        _require(self.debug.hang_seconds == 0, "client_batch", self.client_batch,
+                 "false with debug.hang_seconds > 0: a client made to hang would hang its whole batch")
 
     def _require_task_combination(self) -> None:
         """The dataset and the model must be ones of the task (TASK_CHOICES)."""

@@ -277,4 +277,4 @@ def test_gpu_checks_names_files_that_exist_and_refuses_an_unknown_step(tmp_path)
                           env={**os.environ, "OUT": str(tmp_path)})
     assert proc.returncode == 2
     assert ("unknown step bogus: allowed optim optim-compiled server round round-compiled round-bf16 round-mps "
-            "round-2-actors client-batch units deploy") in proc.stderr
+            "round-2-actors round-batched client-batch units deploy") in proc.stderr

@@ -187,7 +187,7 @@ def assert_close_replies(batched: RecordDict, alone: RecordDict, same_seconds: f
 
 
 def test_a_rounds_messages_trained_at_once_reply_as_each_client_alone():
-    items = [(train_message(p).content, context(p)) for p in (2, 0, 1)]
+    items = [(train_message(p).content, context(p), time.time() + 600) for p in (2, 0, 1)]
     replies = client_work.train_contents(items)
     seconds = dict(replies[0]["metrics"])["train-seconds"]
     for p, reply in zip((2, 0, 1), replies):
@@ -197,13 +197,22 @@ def test_a_rounds_messages_trained_at_once_reply_as_each_client_alone():
         assert_close_replies(reply, alone.content, same_seconds=seconds)
 
 
-def test_a_client_whose_round_fails_fails_alone():
+def test_a_client_whose_round_fails_or_whose_deadline_passed_fails_alone():
     overrides = f"{RUN} debug.fail_partitions=[1] debug.fail_rounds=[2]"
-    items = [(train_message(p, overrides=overrides).content, context(p, overrides)) for p in (0, 1, 2)]
+    deadlines = {0: time.time() + 600, 1: time.time() + 600, 2: time.time() - 5}
+    items = [(train_message(p, overrides=overrides).content, context(p, overrides), deadlines[p]) for p in range(3)]
     outcomes = client_work.train_contents(items)
     assert isinstance(outcomes[1], InjectedFault)
-    for p in (0, 2):
-        assert dict(outcomes[p]["metrics"])["partition-id"] == p
+    assert isinstance(outcomes[2], client_work.MessageLate) and "deadline passed" in str(outcomes[2])
+    assert dict(outcomes[0]["metrics"])["partition-id"] == 0
+
+
+def test_a_training_message_without_the_rounds_size_is_refused_naming_the_key():
+    message = train_message(0)
+    message.content["config"] = ConfigRecord({k: v for k, v in dict(message.content["config"]).items()
+                                              if k != ROUND_CLIENTS_KEY})
+    with pytest.raises(ValueError, match="lacks 'round-clients'"):
+        client_work.run_batched_train(message, context(0), Gather(Recorder()))
 
 
 # ---------------------------------------------------------------- the machine's batching worker

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     found = [w for w in workers() if args.run is None or w["run-id"] == args.run]
     print(f"{len(found)} warm worker(s) in {worker_dir()}")
     for w in found:
-        print(f"  pid {w['pid']}: run {w['run-id']} node {w['node-id']}, SuperNode pid {w['supernode-pid']}, "
+        serves = "clients in batches" if w.get("batched") else f"node {w['node-id']}"
+        print(f"  pid {w['pid']}: run {w['run-id']} {serves}, SuperNode pid {w['supernode-pid']}, "
               f"up {time.time() - w['started']:.0f} s, ends after {w['idle-timeout']:g} s idle")
     return 0
 

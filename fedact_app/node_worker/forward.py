@@ -1,13 +1,15 @@
-"""The ClientApp side: hand a message to the node's warm worker, starting the worker where there
-is none, and return its reply. Imports no torch: in a deployment this runs in a fresh
+"""The ClientApp side: hand a message to the node's warm worker (or a training message of a
+``client_batch=true`` run to the machine's batching worker), starting the worker where there is
+none, and return its reply. Imports no torch: in a deployment this runs in a fresh
 ``flwr-clientapp`` process for every message.
 
 ``forward`` returns None, after a warning, wherever no worker takes the message (the folder or
 a socket is unsafe, the worker cannot be started or does not answer): the caller then works on
 the message itself, cold, so no message is lost to the mechanism. Once a worker has taken a
 message, that message is the worker's: if the worker dies, or is still working after the
-message's deadline (then it is killed), the message fails with ``WorkerLost``, and the node's
-next message starts a new worker.
+message's deadline (then it is killed, but for a batching worker, which holds other nodes'
+messages), the message fails with ``WorkerLost``, and the node's next message starts a new
+worker where the last one is gone.
 """
 
 from __future__ import annotations
@@ -53,10 +55,14 @@ class WorkerLost(RuntimeError):
 
 def wanted(context: Context) -> bool:
     """A warm worker serves this message: in a deployment's ``flwr-clientapp`` process (a
-    simulation's clients live in warm processes already), unless ``$FEDACT_WARM_WORKER`` or the
-    node config's ``warm-worker`` turns it off."""
-    return (Path(sys.argv[0]).name == CLIENTAPP_PROGRAM
-            and switch(os.environ.get(WARM_WORKER_ENV, "1"), WARM_WORKER_ENV)
+    simulation's clients live in warm processes already), unless :func:`allowed` says no."""
+    return Path(sys.argv[0]).name == CLIENTAPP_PROGRAM and allowed(context)
+
+
+def allowed(context: Context) -> bool:
+    """Warm workers (the node's, or the machine's batching worker) may take this node's
+    messages: unless ``$FEDACT_WARM_WORKER`` or the node config's ``warm-worker`` turns them off."""
+    return (switch(os.environ.get(WARM_WORKER_ENV, "1"), WARM_WORKER_ENV)
             and switch(context.node_config.get(WARM_WORKER_KEY, True), WARM_WORKER_KEY))
 
 
@@ -95,6 +101,9 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
         try:
             header, blobs = recv_frames(sock)
         except TimeoutError:
+            if batched:  # the worker holds other nodes' messages too: this one alone fails
+                raise WorkerLost(f"the machine's batching worker (pid {pid}) had not trained the message "
+                                 f"{REPLY_GRACE:g} s after its deadline") from None
             _kill(pid)
             raise WorkerLost(f"the node's warm worker (pid {pid}) was still working on the message "
                              f"{REPLY_GRACE:g} s after its deadline: stopped; the node's next message "

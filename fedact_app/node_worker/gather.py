@@ -4,9 +4,9 @@
 The server says in each training message's config whether its clients are batched
 (``client-batch``) and how many training messages the round sends (``round-clients``). The
 ClientApps of a machine hand such messages to one shared warm worker
-(:mod:`fedact_app.node_worker.forward`), which serves each on a thread of its own: it takes an
-:meth:`Gather.arrival` ticket as it accepts the connection, then reads the message and passes it
-to :meth:`Gather.submit`. A batch of a round's waiting messages runs
+(:mod:`fedact_app.node_worker.forward`), which serves each on a thread of its own: it opens a
+:class:`Ticket` (:meth:`Gather.open_ticket`) as it accepts the connection, then reads the message
+and passes it to :meth:`Gather.submit`. A batch of a round's waiting messages runs
 
 - at once when every message of the round not yet trained is there;
 - else once no message is still being read and none has come for ``wait`` seconds: a round can
@@ -58,10 +58,13 @@ class _Group:
 
 
 class Ticket:
-    """A message being read: until it is submitted or dropped, no partial batch starts."""
+    """A message being read: until it is submitted or closed, no partial batch starts."""
 
     def __init__(self) -> None:
         self.open = True
+
+
+KEPT_GROUPS = 64  # groups (rounds) remembered with nothing waiting: a round that lost a message ends nowhere
 
 
 class Gather:
@@ -79,19 +82,27 @@ class Gather:
         self.last_arrival = time.monotonic()  # of a ticket or a submitted item
         self.thread: threading.Thread | None = None
 
-    @contextlib.contextmanager
-    def arrival(self) -> Iterator[Ticket]:
-        """A ticket for a message about to be read; pass it to :meth:`submit`. A ticket not
-        submitted (the message was skipped, or failed to read) is dropped on exit."""
-        ticket = Ticket()
+    def open_ticket(self) -> Ticket:
+        """A ticket for a message about to be read: pass it to :meth:`submit`, and
+        :meth:`close` it in any case (closing a submitted ticket does nothing)."""
         with self.changed:
             self.reading += 1
             self.last_arrival = time.monotonic()
+        return Ticket()
+
+    def close(self, ticket: Ticket | None) -> None:
+        """The ticket's message is no longer being read (submitted, skipped, or failed to read)."""
+        with self.changed:
+            self._close(ticket)
+
+    @contextlib.contextmanager
+    def arrival(self) -> Iterator[Ticket]:
+        """:meth:`open_ticket`, closed on exit."""
+        ticket = self.open_ticket()
         try:
             yield ticket
         finally:
-            with self.changed:
-                self._close(ticket)
+            self.close(ticket)
 
     def _close(self, ticket: Ticket | None) -> None:
         if ticket is not None and ticket.open:
@@ -100,15 +111,19 @@ class Gather:
             self.changed.notify_all()
 
     def submit(self, group: Hashable, expected: int, wait: float, item: Any, ticket: Ticket | None = None) -> Any:
-        """``item``'s result (raising its exception), once it has been trained in a batch of its
-        ``group``'s items (the module docstring says when a batch runs)."""
-        if expected < 1 or wait <= 0:
-            raise ValueError(f"a batch needs expected >= 1 and wait > 0; got expected={expected}, wait={wait}")
+        """Block until ``item`` has been trained in a batch of its ``group``'s items (the module
+        docstring says when a batch runs); return its result or raise its exception. The group's
+        first item sets its ``expected`` and ``wait``."""
+        if expected < 1 or not 0 < wait <= threading.TIMEOUT_MAX:
+            raise ValueError(f"a batch needs expected >= 1 and 0 < wait <= {threading.TIMEOUT_MAX:g}; got "
+                             f"expected={expected}, wait={wait}")
         entry = _Entry(item)
         with self.changed:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._serve, daemon=True, name="client-batches")
                 self.thread.start()
+            if group not in self.groups:
+                self._forget_finished()
             self.groups.setdefault(group, _Group(expected, wait)).waiting.append(entry)
             self.last_arrival = entry.arrival
             self._close(ticket)
@@ -126,6 +141,12 @@ class Gather:
         if self.reading:
             return None
         return max(0.0, self.last_arrival + state.wait - time.monotonic())
+
+    def _forget_finished(self) -> None:
+        """Drop the oldest groups with nothing waiting beyond ``KEPT_GROUPS``."""
+        idle = [key for key, state in self.groups.items() if not state.waiting]
+        for key in idle[:max(0, len(idle) - KEPT_GROUPS)]:
+            del self.groups[key]
 
     def _serve(self) -> None:
         """Train each group's waiting entries once they are due, one batch at a time."""
@@ -150,17 +171,19 @@ class Gather:
             del self.groups[group]
         self.changed.release()
         started = time.monotonic()
+        outcomes: list[Any] | None = None
         try:
             outcomes = self.train([entry.item for entry in batch])
             if len(outcomes) != len(batch):
                 raise RuntimeError(f"a batch of {len(batch)} messages got {len(outcomes)} outcomes")
         except Exception as ex:  # noqa: BLE001 - every message of the batch fails with it
             outcomes = [ex] * len(batch)
-        finally:
+        finally:  # even where the training raised a BaseException, no message waits for ever
             self.changed.acquire()
-        for entry, outcome in zip(batch, outcomes):
-            entry.outcome, entry.done = outcome, True
-        self.changed.notify_all()
+            for entry, outcome in zip(batch, outcomes or [RuntimeError("the batch's training was interrupted")]
+                                      * len(batch)):
+                entry.outcome, entry.done = outcome, True
+            self.changed.notify_all()
         arrivals = [entry.arrival for entry in batch]
         log(INFO, "%s: %d of %d messages trained at once in %.2f s; they arrived over %.2f s, the batch began "
             "%.2f s after the first", self.label(group), len(batch), state.expected, time.monotonic() - started,

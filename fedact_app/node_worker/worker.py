@@ -1,5 +1,6 @@
 """The warm worker: serves one node's messages on a bound socket (``fedact_app.node_worker.serve``
-starts it).
+starts it), or, batched (``client_batch=true``), the training messages of all of a run's nodes on
+the machine, whose rounds it trains in batches (:mod:`fedact_app.node_worker.gather`).
 
 Each connection is served on a thread of its own with ``fedact_app.client_work.run_message``: the
 same reply as a cold ClientApp, including the node's one-message-at-a-time slot
@@ -16,7 +17,6 @@ It ends, removing its socket, when the process it watches (its SuperNode) is gon
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -33,10 +33,12 @@ from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChanne
 from fedact_app.node_worker.gather import Gather, Ticket
 
 WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
+READ_TIMEOUT = 120.0  # seconds for a ClientApp to send its whole request over the local socket
 
 
 class Worker:
-    """One node's and one run configuration's worker, serving the socket ``listener``."""
+    """One node's and one run configuration's worker (``batched``: the machine's nodes' batching
+    worker of one run configuration), serving the socket ``listener``."""
 
     def __init__(self, listener: socket.socket, path: Path, key: str, label: str,
                  watch: tuple[int, int], idle_timeout: float, batched: bool = False) -> None:
@@ -61,16 +63,19 @@ class Worker:
         log(INFO, "warm worker %s (pid %d) serving %s", self.label, os.getpid(), self.path)
         while True:
             conn, _ = self.listener.accept()
-            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+            # batched: a message being read holds back the round's partial batch (node_worker.gather)
+            ticket = self.gather.open_ticket() if self.batched else None
+            threading.Thread(target=self._serve_one, args=(conn, ticket), daemon=True).start()
 
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket, ticket: Ticket | None) -> None:
         with self.lock:
             self.active += 1
         try:
-            # batched: a message being read holds back the round's partial batch (node_worker.gather)
-            with conn, (self.gather.arrival() if self.batched else contextlib.nullcontext()) as ticket:
+            with conn:
                 peer(conn)
+                conn.settimeout(READ_TIMEOUT)  # a stalled sender would hold a batched round back
                 header, blobs = recv_frames(conn)
+                conn.settimeout(None)
                 if header.get("key") != self.key:
                     send_frames(conn, {"refused": f"the worker at {self.path} serves another run or node"})
                     return
@@ -81,6 +86,8 @@ class Worker:
         except (ChannelClosed, UnsafeChannel, OSError, ValueError) as err:
             log(WARNING, "warm worker %s: a connection ended without a reply (%s)", self.label, err)
         finally:
+            if ticket is not None:
+                self.gather.close(ticket)
             with self.lock:
                 self.active -= 1
                 self.last_seen = time.monotonic()
