@@ -281,3 +281,28 @@ def test_a_warm_worker_keeps_freed_memory_unless_the_nodes_environment_says_othe
     forward._start(Path("/tmp/none.sock"), "key", context(), (os.getpid(), 0))
     assert started.get("MALLOC_TRIM_THRESHOLD_") == (None if users else "4294967296")
     assert started.get("MALLOC_MMAP_THRESHOLD_") == users.get("MALLOC_MMAP_THRESHOLD_", "4294967296")
+
+
+def test_a_message_crosses_the_socket_as_its_protobuf_and_its_arrays_bytes_unchanged():
+    """frames.message_blobs: the protobuf holds no array's bytes; the message read back equals
+    the one sent (metadata, records in order, every array's dtype, shape and bytes), an error
+    message too; blobs that do not match its arrays are refused."""
+    from flwr.app import Error
+    from fedact_app.node_worker.frames import message_blobs, message_from_blobs
+
+    msg = train_message(2)
+    blobs = message_blobs(msg)
+    sizes = [len(array.data) for record in msg.content.array_records.values() for array in record.values()]
+    assert [len(blob) for blob in blobs[1:]] == sizes and len(blobs[0]) < 4096 < sum(sizes)
+    back = message_from_blobs(blobs)
+    assert back.metadata == msg.metadata and list(back.content.keys()) == list(msg.content.keys())
+    for key, record in msg.content.array_records.items():
+        assert list(back.content[key].keys()) == list(record.keys())
+        for name, array in record.items():
+            got = back.content[key][name]
+            assert (got.dtype, got.shape, got.stype, got.data) == (array.dtype, array.shape, array.stype, array.data)
+    assert dict(back.content["config"]) == dict(msg.content["config"])
+    failed = Message(Error(7, "it failed"), reply_to=msg)
+    assert message_from_blobs(message_blobs(failed)).error.reason == "it failed"
+    with pytest.raises(ValueError, match=r"of \d+ arrays came with 1 array blobs"):
+        message_from_blobs(blobs[:2])

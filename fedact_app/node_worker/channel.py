@@ -8,8 +8,8 @@ own, and each end checks the other's uid (``SO_PEERCRED``) before it reads a byt
 raises ``UnsafeChannel`` naming the path; the ClientApp then works on the message itself. The
 socket never listens on a network.
 
-A frame set is a JSON header and binary blobs (a ``Message`` and a ``Context`` as Flower's own
-protobufs), each behind its 8-byte length.
+A frame set is a JSON header and binary blobs (a ``Context`` as Flower's protobuf, then a
+``Message`` as :mod:`fedact_app.node_worker.frames` makes it), each behind its 8-byte length.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ PREPARE = "prepare"  # a request's kind that builds the run's trainer ahead of i
 SOCKET_PATH_MAX = 107  # bytes of sockaddr_un.sun_path on Linux, less its terminating zero
 _LENGTH = struct.Struct("!Q")
 _MAX_HEADER = 1 << 20
+_SMALL = 1 << 16  # bytes: a smaller part goes out with its length in one write
 
 
 class UnsafeChannel(RuntimeError):
@@ -116,9 +117,15 @@ def info_path(socket: Path) -> Path:
 
 
 def send_frames(sock: socket.socket, header: Mapping[str, object], *blobs: bytes) -> None:
-    """Send one frame set: the JSON header, then each blob."""
-    parts = [json.dumps({**header, "blobs": len(blobs)}).encode(), *blobs]
-    sock.sendall(b"".join(_LENGTH.pack(len(part)) + part for part in parts))
+    """Send one frame set: the JSON header, then each blob (sent as it is: no copy of a large
+    array's bytes)."""
+    for part in (json.dumps({**header, "blobs": len(blobs)}).encode(), *blobs):
+        length = _LENGTH.pack(len(part))
+        if len(part) < _SMALL:
+            sock.sendall(length + part)
+        else:
+            sock.sendall(length)
+            sock.sendall(part)
 
 
 def recv_frames(sock: socket.socket) -> tuple[dict, list[bytes]]:

@@ -35,6 +35,7 @@ from fedact_app.cli.resources import machine_cpus
 from fedact_app.node_config import WARM_WORKER_KEY, switch, worker_idle_timeout
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, check_socket, peer,
                                             private_dir, recv_frames, send_frames, socket_path, worker_key)
+from fedact_app.node_worker.frames import message_blobs, message_from_blobs
 
 WARM_WORKER_ENV = "FEDACT_WARM_WORKER"  # 0/false/off: every message cold, whatever the node config says
 CLIENTAPP_PROGRAM = "flwr-clientapp"  # the process Flower starts for each message in a deployment
@@ -71,8 +72,8 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
     ``context.state`` replaced by the state the worker's work left; None where no worker took it.
     ``batched``: the machine's worker that trains the run's clients in batches
     (:mod:`fedact_app.node_worker.gather`) takes the training message, whatever node sent it."""
-    from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
-    from flwr.proto.message_pb2 import Context as ProtoContext, Message as ProtoMessage
+    from flwr.common.serde import context_from_proto, context_to_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext
 
     try:
         sock, pid, key = connect(context, batched)
@@ -82,8 +83,8 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
         return None
     with sock:
         try:
-            send_frames(sock, {"key": key, "kind": kind}, message_to_proto(msg).SerializeToString(),
-                        context_to_proto(context).SerializeToString())
+            send_frames(sock, {"key": key, "kind": kind}, context_to_proto(context).SerializeToString(),
+                        *message_blobs(msg))
             sock.settimeout(ACK_TIMEOUT)
             header, _ = recv_frames(sock)
         except (OSError, ChannelClosed) as err:  # socket.timeout is an OSError
@@ -113,8 +114,8 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
                              f"({err}); the node's next message starts a new worker") from None
     if "raised" in header:
         raise WorkerRaised(header["raised"])
-    reply = message_from_proto(ProtoMessage.FromString(blobs[0]))
-    context.state = context_from_proto(ProtoContext.FromString(blobs[1])).state
+    reply = message_from_blobs(blobs[1:])
+    context.state = context_from_proto(ProtoContext.FromString(blobs[0])).state
     if reply.has_error():
         return Message(reply.error, reply_to=msg)
     return Message(content=reply.content, reply_to=msg)

@@ -30,6 +30,7 @@ from flwr.common import log
 from fedact_app.cli.procs import start_time
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, info_path, peer, recv_frames,
                                             send_frames)
+from fedact_app.node_worker.frames import message_blobs, message_from_blobs
 from fedact_app.node_worker.gather import Gather, Ticket
 
 WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
@@ -107,12 +108,12 @@ class Worker:
     def _answer(self, conn: socket.socket, kind: str, blobs: list[bytes], ticket: Ticket | None = None) -> None:
         """Ack with the message's deadline, then the reply and the Context it leaves; where the
         work raises, its exception's type and text instead, as a cold ClientApp would fail."""
-        from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
-        from flwr.proto.message_pb2 import Context as ProtoContext, Message as ProtoMessage
+        from flwr.common.serde import context_from_proto, context_to_proto
+        from flwr.proto.message_pb2 import Context as ProtoContext
 
         try:
-            msg = message_from_proto(ProtoMessage.FromString(blobs[0]))
-            context = context_from_proto(ProtoContext.FromString(blobs[1]))
+            context = context_from_proto(ProtoContext.FromString(blobs[0]))
+            msg = message_from_blobs(blobs[1:])
             with self.ready, self.lock:  # Hydra's composition is not thread-safe; later calls hit its cache
                 deadline = self.work.message_deadline(msg, self.work.run_round_timeout(context))
             send_frames(conn, {"ack": True, "deadline": deadline})
@@ -124,8 +125,7 @@ class Worker:
             log(ERROR, "warm worker %s: %s", self.label, traceback.format_exc())
             send_frames(conn, {"raised": f"{type(ex).__name__}: {ex}"})
             return
-        send_frames(conn, {"reply": True}, message_to_proto(reply).SerializeToString(),
-                    context_to_proto(context).SerializeToString())
+        send_frames(conn, {"reply": True}, context_to_proto(context).SerializeToString(), *message_blobs(reply))
 
     def _watch(self) -> None:
         pid, started = self.watch
