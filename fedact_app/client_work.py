@@ -289,7 +289,12 @@ WORK: dict[str, Callable[[Message, Context], RecordDict]] = {
 
 def prepare(context: Context) -> None:
     """Build what this node's messages of the run will need (the trainer: task, model, optimizer)
-    and read the node's training data, ahead of its first message."""
+    and read the node's training data, ahead of its first message; nothing where the machine's
+    batching worker trains the node and the run evaluates on no client (``client_batch=true``,
+    ``fraction_evaluate=0``): the node's warm worker then gets no message."""
+    cfg = _compose(str(context.run_config.get("overrides", "")))
+    if cfg.client_batch and cfg.fraction_evaluate == 0:
+        return
     trainer, partition_id, num_partitions = node_trainer(context)
     trainer.task.describe_train_data(partition_id, num_partitions)
 
@@ -297,7 +302,7 @@ def prepare(context: Context) -> None:
 def run_batched_train(msg: Message, context: Context, gather: Gather, ticket: Ticket | None = None) -> Message:
     """The reply to a training message of a run with ``client_batch=true``: its client trained at
     once with the other clients of its round that ``gather`` puts in its batch (``ticket``: the
-    message's :meth:`Gather.arrival`)."""
+    one the worker opened for this message as it accepted the connection, ``Gather.open_ticket``)."""
     config = msg.content["config"]
     if ROUND_CLIENTS_KEY not in config:
         raise ValueError(f"A training message of a client_batch=true run lacks {ROUND_CLIENTS_KEY!r} in its "

@@ -404,10 +404,11 @@ class Config:
     def _require_client_batch(self) -> None:
         """``client_batch`` trains what ``ClientBatch`` can: the FedACT family's vision clients,
         contiguous."""
-        _require(0 < self.client_batch_wait <= self.round_timeout, "client_batch_wait", self.client_batch_wait,
-                 f"> 0 and <= round_timeout ({self.round_timeout:g})")
+        _require(self.client_batch_wait > 0, "client_batch_wait", self.client_batch_wait, "> 0")
         if not self.client_batch:
             return
+        _require(self.client_batch_wait <= self.round_timeout, "client_batch_wait", self.client_batch_wait,
+                 f"<= round_timeout ({self.round_timeout:g}) with client_batch=true")
         _require(self.algorithm.name in FEDACT_FAMILY, "client_batch", self.client_batch,
                  f"false for algorithm={self.algorithm.name}: the clients trained at once are those of the FedACT "
                  f"family ({', '.join(FEDACT_FAMILY)})")

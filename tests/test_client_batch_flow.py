@@ -265,3 +265,37 @@ def test_the_batching_worker_trains_with_the_machines_cpus(monkeypatch):
     assert started["env"]["OMP_NUM_THREADS"] == "12" and "--batched" in started["command"]
     forward._start(Path("/tmp/none.sock"), "key", context(0), (os.getpid(), 0))
     assert started["env"]["OMP_NUM_THREADS"] == "1" and "--batched" not in started["command"]
+
+
+def test_a_batch_ended_by_a_base_exception_fails_its_messages_and_the_next_batch_trains():
+    calls = []
+
+    def train(items):
+        calls.append(items)
+        if len(calls) == 1:
+            raise SystemExit("stopped")
+        return [item * 10 for item in items]
+
+    gather = Gather(train)
+    (outcome, _), = submit_all(gather, [("r", 1, 30.0, 1)])
+    assert isinstance(outcome, RuntimeError) and "interrupted" in str(outcome)
+    (outcome, _), = submit_all(gather, [("s", 1, 30.0, 2)])
+    assert outcome == 20
+
+
+def test_a_nodes_own_warm_worker_prepares_nothing_where_the_batching_worker_trains(monkeypatch):
+    """Its identity query would otherwise have each node's warm worker build a trainer (a model
+    on the GPU) that gets no message: only evaluation messages go there."""
+    monkeypatch.setattr(client_work, "node_trainer", lambda context: pytest.fail("built a trainer"))
+    client_work.prepare(context(0))
+    monkeypatch.undo()
+    built = []
+
+    def record(context):
+        built.append(context.node_id)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(client_work, "node_trainer", record)
+    with pytest.raises(RuntimeError, match="stop here"):
+        client_work.prepare(context(0, f"{RUN} fraction_evaluate=0.5"))
+    assert built == [100]

@@ -113,7 +113,8 @@ def test_holdout_fraction_is_a_vision_fraction_off_by_default():
     ("client_batch=true task=lm_pretrain dataset=text dataset.path=/x.txt model=llama_tiny", "false for task=lm_pretrain"),
     ("client_batch=true channels_last=true", "false with channels_last=true"),
     ("client_batch_wait=0", "client_batch_wait=0.0: allowed > 0"),
-    ("client_batch_wait=100 round_timeout=60", r"client_batch_wait=100.0: allowed > 0 and <= round_timeout \(60\)"),
+    ("client_batch=true client_batch_wait=100 round_timeout=60",
+     r"client_batch_wait=100.0: allowed <= round_timeout \(60\) with client_batch=true"),
     ("client_batch=true debug.fail_partitions=[0] debug.fail_rounds=[1] debug.hang_seconds=5",
      "false with debug.hang_seconds > 0"),
 ])

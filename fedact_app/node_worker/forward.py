@@ -88,7 +88,7 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
             sock.settimeout(ACK_TIMEOUT)
             header, _ = recv_frames(sock)
         except (OSError, ChannelClosed) as err:  # socket.timeout is an OSError
-            if isinstance(err, TimeoutError):
+            if isinstance(err, TimeoutError) and not batched:  # a batching worker holds other nodes' messages
                 _kill(pid)
             log(WARNING, "node %d: the warm worker (pid %d) did not take the message (%s); the ClientApp "
                 "works on it itself", context.node_id, pid, err)
@@ -110,8 +110,9 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
                              f"{REPLY_GRACE:g} s after its deadline: stopped; the node's next message "
                              "starts a new worker") from None
         except (OSError, ChannelClosed) as err:
-            raise WorkerLost(f"the node's warm worker (pid {pid}) ended while working on the message "
-                             f"({err}); the node's next message starts a new worker") from None
+            worker = "the machine's batching worker" if batched else "the node's warm worker"
+            raise WorkerLost(f"{worker} (pid {pid}) ended while working on the message ({err}); the node's "
+                             "next message starts a new one") from None
     if "raised" in header:
         raise WorkerRaised(header["raised"])
     reply = message_from_blobs(blobs[1:])

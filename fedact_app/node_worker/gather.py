@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from logging import INFO
+from logging import ERROR, INFO
 from typing import Any
 
 from flwr.common import log
@@ -149,19 +149,34 @@ class Gather:
             del self.groups[key]
 
     def _serve(self) -> None:
-        """Train each group's waiting entries once they are due, one batch at a time."""
+        """Train each group's waiting entries once they are due, one batch at a time. Where this
+        thread ends on an exception, the entries waiting fail with it, and the next submit starts
+        a new thread."""
         with self.changed:
-            while True:
-                waiting = [(due, key) for key, state in self.groups.items()
-                           if state.waiting and (due := self._due(state)) is not None]
-                if not waiting:
-                    self.changed.wait()
-                    continue
-                due, key = min(waiting, key=lambda pair: pair[0])
-                if due > 0:
-                    self.changed.wait(due)
-                    continue
-                self._run(key, self.groups[key])
+            try:
+                self._serve_forever()
+            except BaseException as ex:  # noqa: BLE001 - logged; the next submit starts a new thread
+                log(ERROR, "the batches' thread ended: %r", ex)
+                for state in self.groups.values():
+                    for entry in state.waiting:
+                        entry.outcome, entry.done = RuntimeError(f"the batches' thread ended: {ex!r}"), True
+                    state.waiting = []
+                self.thread = None
+                self.changed.notify_all()
+
+    def _serve_forever(self) -> None:
+        """:meth:`_serve`'s loop (holding the lock, but while a batch trains)."""
+        while True:
+            waiting = [(due, key) for key, state in self.groups.items()
+                       if state.waiting and (due := self._due(state)) is not None]
+            if not waiting:
+                self.changed.wait()
+                continue
+            due, key = min(waiting, key=lambda pair: pair[0])
+            if due > 0:
+                self.changed.wait(due)
+                continue
+            self._run(key, self.groups[key])
 
     def _run(self, group: Hashable, state: _Group) -> None:
         """Train ``state``'s waiting entries (called holding the lock; released while training)."""

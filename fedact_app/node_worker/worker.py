@@ -34,7 +34,7 @@ from fedact_app.node_worker.frames import message_blobs, message_from_blobs
 from fedact_app.node_worker.gather import Gather, Ticket
 
 WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
-READ_TIMEOUT = 120.0  # seconds for a ClientApp to send its whole request over the local socket
+READ_TIMEOUT = 120.0  # seconds a read of a ClientApp's request may wait for its next bytes
 
 
 class Worker:
@@ -74,7 +74,7 @@ class Worker:
         try:
             with conn:
                 peer(conn)
-                conn.settimeout(READ_TIMEOUT)  # a stalled sender would hold a batched round back
+                conn.settimeout(READ_TIMEOUT)  # a stalled sender would hold a batched round's partial batch back
                 header, blobs = recv_frames(conn)
                 conn.settimeout(None)
                 if header.get("key") != self.key:
