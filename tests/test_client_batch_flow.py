@@ -89,7 +89,7 @@ def test_the_messages_that_came_train_after_the_wait_and_the_rest_of_the_round_l
         assert [result for result, _ in first_two] == [50, 60]
         assert all(0.5 <= seconds < 1.4 for _, seconds in first_two)
         result, seconds = third.result()
-    assert result == 70 and seconds < 0.4
+    assert result == 70 and seconds < 1.0  # no second wait: the round is complete
     assert train.batches == [[5, 6], [7]]
 
 
@@ -113,7 +113,8 @@ def test_a_message_still_being_read_holds_the_partial_batch_back_and_a_dropped_o
         dropped = pool.submit(read_slowly, 4, submit=False)
         time.sleep(0.05)
         (alone, seconds), = submit_all(gather, [("q", 3, 0.2, 3)])
-        assert dropped.result() is None and alone == 30 and 1.0 <= seconds < 1.8
+        # held back until the ticket closes, 0.95 s after this submit, not for ever
+        assert dropped.result() is None and alone == 30 and 0.8 <= seconds < 3.0
     assert train.batches == [[1, 2], [3]]
 
 
