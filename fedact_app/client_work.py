@@ -149,6 +149,12 @@ class TrainRequest:
         """The server's broadcast arrays (v_bar, Delta_G, c), without the model."""
         return {key: unpacked(record) for key, record in self.content.array_records.items() if key != "model"}
 
+    def round_terms(self) -> dict[str, int | float]:
+        """The round's terms from the config, as ``ClientTrainer``'s keyword arguments."""
+        config = self.config
+        return dict(server_round=int(config["server-round"]), lr=float(config["lr"]),
+                    local_steps=int(config["local-steps"]), global_step=int(config["global-step"]))
+
 
 def train_request(content: RecordDict, context: Context) -> TrainRequest:
     """The message's inputs; raises where its round is to fail (``debug.fail_partitions``)."""
@@ -187,14 +193,11 @@ def train_reply(request: TrainRequest, result: RoundResult, train_seconds: float
 def train_content(content: RecordDict, context: Context) -> RecordDict:
     """The train handler's work on plain records: one local round, the reply's records."""
     request = train_request(content, context)
-    config = request.config
     started = time.perf_counter()
     result = request.trainer.train_round(
         unpacked(content["model"]), request.received(), partition_id=request.partition_id,
-        num_partitions=request.num_partitions, server_round=int(config["server-round"]),
-        lr=float(config["lr"]), local_steps=int(config["local-steps"]),
-        global_step=int(config["global-step"]),
-        client_state=kept_state(context, config, request.partition_id))
+        num_partitions=request.num_partitions, **request.round_terms(),
+        client_state=kept_state(context, request.config, request.partition_id))
     # the round's local work; it ends with copies to the CPU
     return train_reply(request, result, time.perf_counter() - started)
 
@@ -222,15 +225,13 @@ def train_contents(items: list[tuple[RecordDict, Context, float]]) -> list[Recor
         batches.setdefault(id(request.trainer), []).append((len(outcomes), request))
         outcomes.append(None)
     for batch in batches.values():
-        first, config = batch[0][1], batch[0][1].config
+        first = batch[0][1]
         try:
             started = time.perf_counter()
             results = first.trainer.train_batch(
                 unpacked(first.content["model"]), first.received(),
                 partition_ids=[request.partition_id for _, request in batch],
-                num_partitions=first.num_partitions, server_round=int(config["server-round"]),
-                lr=float(config["lr"]), local_steps=int(config["local-steps"]),
-                global_step=int(config["global-step"]))
+                num_partitions=first.num_partitions, **first.round_terms())
             seconds = time.perf_counter() - started
         except Exception as ex:  # noqa: BLE001 - every message of this batch fails with it
             results, seconds = [ex] * len(batch), 0.0

@@ -56,7 +56,7 @@ def clients_at_once(cfg: Any, num_cpus_per_client: int, cpus: int) -> int:
     """Clients of one round that train at the same time: those sampled, as many as the CPUs hold
     (with ``client_batch``, all of them: :func:`ray_cpus`)."""
     sampled = sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes)
-    if getattr(cfg, "client_batch", False):
+    if cfg.client_batch:
         return sampled
     return max(1, min(sampled, cpus // max(1, num_cpus_per_client)))
 
@@ -67,7 +67,7 @@ def ray_cpus(cfg: Any, num_cpus_per_client: int, cpus: int) -> int:
     only hand their training messages to the machine's batching worker
     (``fedact_app.node_worker.gather``), which trains them at once: every client of a round
     needs a ClientApp holding its message, or the batch waits ``client_batch_wait`` for it."""
-    if not getattr(cfg, "client_batch", False):
+    if not cfg.client_batch:
         return cpus
     return max(cpus, sample_count(cfg.num_clients, cfg.fraction_train, cfg.min_train_nodes) * num_cpus_per_client)
 

@@ -10,6 +10,9 @@ torch: the ClientApp side imports this on every message.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
@@ -19,16 +22,9 @@ def message_blobs(msg: Message) -> list[bytes]:
     """``[the message's protobuf with every array empty, each array's bytes in record order]``."""
     if not msg.has_content():
         return [message_to_proto(msg).SerializeToString()]
-    stripped, data = RecordDict(), []
-    for key, record in msg.content.items():
-        if isinstance(record, ArrayRecord):
-            stripped[key] = ArrayRecord(array_dict={
-                name: Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=b"")
-                for name, array in record.items()})
-            data.extend(array.data for array in record.values())
-        else:
-            stripped[key] = record
-    return [message_to_proto(Message(metadata=msg.metadata, content=stripped)).SerializeToString(), *data]
+    data = [array.data for record in msg.content.array_records.values() for array in record.values()]
+    stripped = _with_array_data(msg, itertools.repeat(b""))
+    return [message_to_proto(stripped).SerializeToString(), *data]
 
 
 def message_from_blobs(blobs: list[bytes]) -> Message:
@@ -42,12 +38,16 @@ def message_from_blobs(blobs: list[bytes]) -> Message:
     arrays = sum(len(record) for record in msg.content.array_records.values())
     if arrays != len(blobs) - 1:
         raise ValueError(f"a message of {arrays} arrays came with {len(blobs) - 1} array blobs")
-    data, content = iter(blobs[1:]), RecordDict()
+    return _with_array_data(msg, iter(blobs[1:]))
+
+
+def _with_array_data(msg: Message, data: Iterator[bytes]) -> Message:
+    """``msg`` with each array's bytes the next of ``data`` (record and array order kept)."""
+    content = RecordDict()
     for key, record in msg.content.items():
         if isinstance(record, ArrayRecord):
-            content[key] = ArrayRecord(array_dict={
+            record = ArrayRecord(array_dict={
                 name: Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=next(data))
                 for name, array in record.items()})
-        else:
-            content[key] = record
+        content[key] = record
     return Message(metadata=msg.metadata, content=content)
