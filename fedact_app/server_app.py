@@ -60,13 +60,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def initial_model(cfg: Config) -> tuple[Task, torch.nn.Module, TensorDict, list[str]]:
+def initial_model(cfg: Config, startup: dict[str, float | None] | None = None,
+                  ) -> tuple[Task, torch.nn.Module, TensorDict, list[str]]:
     """The run's task (its data checked), its model with the seed's initial weights, the shared
-    entries of that model (x^0, copies) and the names of the trainable parameters."""
+    entries of that model (x^0, copies) and the names of the trainable parameters. ``startup``
+    gets the Unix times of the data checked (``data``) and of the model built (``model``)."""
+    marks = {} if startup is None else startup
     task = build_task(cfg)
     task.check_data()
+    marks["data"] = time.time()
     seed_everything(cfg.seed)
     model = task.build_model()
+    marks["model"] = time.time()
     full_state = model.state_dict()
     initial_state = {name: full_state[name].detach().clone() for name in task.shared_names(model)}
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -83,13 +88,14 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
     """The whole run: configuration, task and model, the method's rounds, the run folder; the
     strategy that ran them. summary.json's ``startup`` has the Unix times of the start-up's
     phases: this process's start (``process``, None where /proc is missing), this call
-    (``serverapp``), the task, data and model built and the model on the ServerApp's device
-    (``task``), and the start of the first round this run ran (``first_round``: round 1, or the
-    one after a resumed checkpoint; its sampling, before the nodes' identification)."""
+    (``serverapp``), the training data checked against the partition (``data``), the model built
+    (``model``), the model on the ServerApp's device (``task``), and the start of the first round
+    this run ran (``first_round``: round 1, or the one after a resumed checkpoint; its sampling,
+    before the nodes' identification)."""
     startup = {"process": process_started(), "serverapp": time.time()}
     cfg = compose(str(context.run_config.get("overrides", "")))
     resume = open_resume(cfg)
-    task, model, initial_state, trainable = initial_model(cfg)
+    task, model, initial_state, trainable = initial_model(cfg, startup)
     log(INFO, "%s on %s with %s: %d trainable parameters", cfg.algorithm.name, cfg.dataset.name,
         cfg.model.name, sum(p.numel() for p in model.parameters() if p.requires_grad))
     if ALGORITHMS[cfg.algorithm.name].samples_trust_scores and cfg.local_steps < cfg.diagnostics.trust_every:

@@ -54,6 +54,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import statistics
 import sys
 import tempfile
@@ -126,8 +127,11 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     for row in rows:
         clock += row["seconds"]
         ends.append(clock)
+    batches = [(int(m[1]), m[2]) for m in BATCH_LINE.finditer(result.log)]
     return rows, {"wall": result.seconds, "round_ends": ends, "round0_seconds": initial.get("seconds"),
-                  "startup": {phase: None if at is None else at - begun for phase, at in startup.items()}}
+                  "startup": {phase: None if at is None else at - begun for phase, at in startup.items()},
+                  "batches": batches}
+
 
 
 def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
@@ -231,8 +235,11 @@ def measured(rows: list[dict], rounds: int) -> list[dict]:
 
 STARTUP = (("process", "the simulation process (ServerApp and clients' dispatch) started"),
            ("serverapp", "the ServerApp began"),
-           ("task", "its task, data and model were built"),
+           ("data", "its data checked"),
+           ("model", "its model built"),
+           ("task", "the model on its device"),
            ("first_round", "round 1 began"))
+BATCH_LINE = re.compile(r"run \d+ round (\d+): (\d+ of \d+ messages trained at once in .*)$", re.M)  # gather's
 PATH = (("push_seconds", "the ServerApp pushes the round's messages"),
         ("last_reply_start_seconds", "then the last reply's client starts"),
         ("last_reply_work_seconds", "its work: read the message, train, reply"),
@@ -353,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{busy.period_ms} ms samples): " + ("n/a (no samples)" if share is None else
                                                    f"{share:.0f}%, a kernel running {share / 100 * flower_round:.2f} s "
                                                    f"of the {flower_round:.2f} s round"))
+    if cfg.client_batch:
+        print("the batching worker's batches (fedact_app.node_worker.gather's log):")
+        for server_round, text in times["batches"]:
+            if flower[0]["round"] <= server_round <= flower[-1]["round"]:
+                print(f"  round {server_round}: {text}")
     rounds_done = flower_rows[-1]["round"]
     startup = times["startup"]
     projected = startup["first_round"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round

@@ -83,9 +83,24 @@ def test_bench_round_quick_prints_the_split_the_path_and_the_ratio():
                 "the ServerApp's work after it", "the round outside this path"):
         assert re.search(rf"^  {re.escape(row)} +-?\d+\.\d{{3}} s", out, re.M), (row, out)
     assert re.search(r"^start-up, after the launch: the simulation process \(ServerApp and clients' dispatch\) "
-                     r"started \d+\.\d s, the ServerApp began \d+\.\d s, its task, data and model were built "
-                     r"\d+\.\d s, round 1 began \d+\.\d s$", out, re.M), out
+                     r"started \d+\.\d s, the ServerApp began \d+\.\d s, its data checked \d+\.\d s, its model built "
+                     r"\d+\.\d s, the model on its device \d+\.\d s, round 1 began \d+\.\d s$", out, re.M), out
     assert re.search(r"^  the round's clients started -?\d+\.\d{3} to -?\d+\.\d{3} s after the push$", out, re.M), out
+
+
+def test_bench_round_reads_the_batching_workers_line_of_each_batch(caplog):
+    """With client_batch, bench_round prints each measured round's batch as the batching worker's
+    Gather logs it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_round
+    from fedact_app.node_worker.gather import Gather
+    from fedact_app.node_worker.worker import round_label
+
+    with caplog.at_level("INFO", logger="flwr"):
+        assert Gather(lambda items: [item * 2 for item in items], round_label).submit((7, 3), 1, 1.0, 21) == 42
+    (found,) = [(int(m[1]), m[2]) for m in bench_round.BATCH_LINE.finditer(caplog.text)]
+    assert found[0] == 3 and re.fullmatch(r"1 of 1 messages trained at once in \d+\.\d\d s; they arrived over "
+                                          r"\d+\.\d\d s, the batch began \d+\.\d\d s after the first", found[1]), found
 
 
 def test_bench_round_paper_is_the_seeds_round_on_a_gpu():

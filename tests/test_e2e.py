@@ -104,8 +104,8 @@ def test_every_method_completes_a_digits_run(algorithm, job, record_property):
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["final_test_accuracy"] == rows[-1]["test_accuracy"]
     startup = summary["startup"]  # the start-up's phases in order, before the run ended
-    assert startup["process"] <= startup["serverapp"] <= startup["task"] <= startup["first_round"] < summary[
-        "finished_at"]
+    phases = [startup[phase] for phase in ("process", "serverapp", "data", "model", "task", "first_round")]
+    assert phases == sorted(phases) and phases[-1] < summary["finished_at"]
     assert (folder / "config.yaml").read_text().count(f"name: {algorithm}") == 1
     assert (folder / "model.safetensors").stat().st_size > 0
     record_property("final_test_accuracy", rows[-1]["test_accuracy"])

@@ -37,6 +37,11 @@ WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle tim
 READ_TIMEOUT = 120.0  # seconds a read of a ClientApp's request may wait for its next bytes
 
 
+def round_label(group: tuple[int, int]) -> str:
+    """How a batch's log line names its group, a (run, server round): ``run 7 round 3``."""
+    return f"run {group[0]} round {group[1]}"
+
+
 class Worker:
     """One node's and one run configuration's worker (``batched``: the machine's nodes' batching
     worker of one run configuration), serving the socket ``listener``."""
@@ -59,7 +64,7 @@ class Worker:
 
         self.work = client_work
         if self.batched:
-            self.gather = Gather(client_work.train_contents, lambda group: f"run {group[0]} round {group[1]}")
+            self.gather = Gather(client_work.train_contents, round_label)
         threading.Thread(target=self._watch, daemon=True, name="watch").start()
         log(INFO, "warm worker %s (pid %d) serving %s", self.label, os.getpid(), self.path)
         while True:
