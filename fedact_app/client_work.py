@@ -27,7 +27,7 @@ from fedact_app.node_config import DATA_PATH_KEY
 from fedact_app.node_worker.gather import ROUND_CLIENTS_KEY, Gather, Ticket
 from fedact_app.node_slot import node_slot
 from fedact_app.registry import FILE_DATASETS
-from fedact_app.wire import packed_record, unpacked
+from fedact_app.wire import packed_record, to_wire, unpacked
 
 def node_data(context: Context, cfg: Config) -> tuple[int, int, str | None]:
     """(partition-id, num-partitions, data-path) from the node config: either the node's own
@@ -165,8 +165,9 @@ def train_request(content: RecordDict, context: Context) -> TrainRequest:
 
 
 def train_reply(request: TrainRequest, result: RoundResult, train_seconds: float) -> RecordDict:
-    """The reply's records for ``result``, the client's round; keeps the client's state in its
-    ``Context`` (and beside the checkpoints) unless it holds non-finite values."""
+    """The reply's records for ``result``, the client's round, its arrays in the run's
+    ``reply_dtype``; keeps the client's state in its ``Context`` (and beside the checkpoints)
+    unless it holds non-finite values."""
     context, partition_id = request.context, request.partition_id
     kept = {f"{key}/{n}": t for key, arrays in result.client_state.items() for n, t in arrays.items()}
     if diverged := non_finite(kept):  # its reply is rejected too; keep the state of its last good round
@@ -176,10 +177,10 @@ def train_reply(request: TrainRequest, result: RoundResult, train_seconds: float
         save_client_state(context, result.client_state)
         if DATA_PATH_KEY not in context.node_config:
             persist_client_state(request.config, partition_id, result.client_state)
-    update = result.update
-    reply = RecordDict({"delta": packed_record(update.delta)})
+    update, reply_dtype = result.update, request.trainer.cfg.reply_dtype
+    reply = RecordDict({"delta": packed_record(to_wire(update.delta, reply_dtype))})
     for key, arrays in update.arrays.items():
-        reply[key] = packed_record(arrays)
+        reply[key] = packed_record(to_wire(arrays, reply_dtype))
     # partition-id orders the server's sums and shows two nodes sharing one partition; a node
     # with its own data-path (always partition 0 of 1) sends none
     partition = {} if DATA_PATH_KEY in context.node_config else {"partition-id": partition_id}

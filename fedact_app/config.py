@@ -31,6 +31,7 @@ PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+REPLY_DTYPES = ("float32", "bfloat16")  # float16 would overflow second moments above 65504
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 
 
@@ -314,6 +315,7 @@ class Config:
     client_batch: bool = False
     client_batch_wait: float = 0.5  # seconds without a new message after which that process trains the ones it has
     wire_dtype: str = "float32"  # dtype of the server's broadcast arrays (v_bar, Delta_G, c) on the wire
+    reply_dtype: str = "float32"  # dtype of the clients' reply arrays (delta, v, c's change) on the wire
     eval_every: int = 1  # centralized test-set evaluation every n rounds (and at the last)
     eval_batch_size: int = 500
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
@@ -353,6 +355,7 @@ class Config:
                  "batches vary in length and DPO switches the adapters off inside the loss)")
         self._require_client_batch()
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        _require_choice("reply_dtype", self.reply_dtype, REPLY_DTYPES)
         _require(self.max_update_norm is None or self.max_update_norm > 0, "max_update_norm",
                  self.max_update_norm, "> 0, or null (no bound)")
         _require(self.max_moment_ratio == 0 or self.max_moment_ratio >= 1, "max_moment_ratio",

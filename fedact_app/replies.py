@@ -62,7 +62,8 @@ class RoundTerms:
 def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[str],
                   trainable: Sequence[str], nonnegative: Sequence[str] = (),
                   max_update_norm: float | None = None, terms: RoundTerms | None = None,
-                  device: torch.device | str | None = None, pool: VectorPool | None = None) -> ClientUpdate:
+                  device: torch.device | str | None = None, pool: VectorPool | None = None,
+                  reply_dtype: str = "float32") -> ClientUpdate:
     """Turn a reply's records into a ``ClientUpdate``, checking it fits the global state.
 
     ``nonnegative``: reply arrays that must hold no negative value (second moments).
@@ -73,7 +74,8 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     the update carries the server's K eta_r, not the reply's: Delta_G divides by it.
     The arrays come out on ``device`` (default: the state's, the ServerApp's ``server_device``),
     each key's entries views into one vector (:func:`read_arrays`; from ``pool`` when given), the
-    trainable parameters first.
+    trainable parameters first. ``reply_dtype``: the dtype the run's clients send floating
+    arrays in (the ``reply_dtype`` config key; :func:`read_arrays`).
     Every metric must be a finite number (``train-loss`` included); the client statistics lie
     in [0, 1], and ``train-seconds`` and ``work-start`` (a Unix time) are >= 0.
     """
@@ -105,11 +107,12 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
     if device is None:
         device = next(iter(state.values())).device if state else "cpu"
     expected = {name: state[name] for name in state}
-    delta, delta_norm = read_arrays("delta", content["delta"], expected, first=trainable, device=device, pool=pool)
+    delta, delta_norm = read_arrays("delta", content["delta"], expected, first=trainable, device=device, pool=pool,
+                                    wire=reply_dtype)
     arrays, norms = {}, {"delta": delta_norm}
     for key in reply_keys:
         arrays[key], norms[key] = read_arrays(key, content[key], {name: state[name] for name in trainable},
-                                              first=trainable, device=device, pool=pool)
+                                              first=trainable, device=device, pool=pool, wire=reply_dtype)
         if key in nonnegative and (negative := negative_entries(arrays[key], trainable)):
             raise ReplyError(f"{key!r} has negative values (in {negative[:3]}); it must be >= 0")
     if max_update_norm:
@@ -123,7 +126,7 @@ def decode_update(content: RecordDict, state: TensorDict, reply_keys: Sequence[s
 def decode_updates(contents: Sequence[RecordDict], state: TensorDict, reply_keys: Sequence[str],
                    trainable: Sequence[str], nonnegative: Sequence[str] = (),
                    max_update_norm: float | None = None, terms: RoundTerms | None = None,
-                   pool: VectorPool | None = None) -> list[ClientUpdate | ReplyError]:
+                   pool: VectorPool | None = None, reply_dtype: str = "float32") -> list[ClientUpdate | ReplyError]:
     """:func:`decode_update` of every reply, in order, a refused reply's ``ReplyError`` in its
     place. The replies are decoded on up to ``torch.get_num_threads()`` threads (consecutive
     replies a thread, :func:`fedact_app.optim.topk.host_map`): copying a reply's bytes and its
@@ -134,7 +137,7 @@ def decode_updates(contents: Sequence[RecordDict], state: TensorDict, reply_keys
     def decoded(content: RecordDict) -> ClientUpdate | ReplyError:
         try:
             return decode_update(content, state, reply_keys, trainable, nonnegative, max_update_norm, terms,
-                                 pool=pool)
+                                 pool=pool, reply_dtype=reply_dtype)
         except ReplyError as err:  # its frames (and its context's) would hold the reply's arrays all round
             err.__context__ = None
             return err.with_traceback(None)
@@ -143,7 +146,8 @@ def decode_updates(contents: Sequence[RecordDict], state: TensorDict, reply_keys
 
 
 def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequence[str] = (),
-                device: torch.device | str = "cpu", pool: VectorPool | None = None) -> tuple[TensorDict, float]:
+                device: torch.device | str = "cpu", pool: VectorPool | None = None,
+                wire: str = "float32") -> tuple[TensorDict, float]:
     """The tensors of a packed record (fedact_app.wire) on ``device``, checked against
     ``expected`` (the same names, shapes and dtypes; floating values finite), and the L2 norm of
     the entries ``first`` (the trainable parameters; squares and sums in float64).
@@ -157,7 +161,8 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     staging of the one copy there). The norm's pass is the finiteness check of ``first`` (a NaN
     or inf entry makes it so, and finite float32 squares cannot overflow float64's sum), one float
     sum that of the vector's other entries; only a result that is not finite is looked into
-    entry by entry."""
+    entry by entry. ``wire`` "bfloat16": every floating entry comes as bfloat16's bits in int16
+    (fedact_app.wire.to_wire) and is widened, exactly, to its expected dtype."""
     try:
         entries, values = packed_entries(record)
     except ValueError as err:
@@ -166,26 +171,33 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
         missing, extra = expected.keys() - entries.keys(), entries.keys() - expected.keys()
         extra_names = [name[:80] for name in sorted(extra)[:3]]  # a client's names, cut for the log
         raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {extra_names})")
+    bits = wire == "bfloat16"
     order = list(dict.fromkeys([*first, *expected]))
     for name in order:
         entry, want = entries[name], expected[name]
-        if entry.shape != tuple(want.shape) or entry.dtype != _numpy_name(want.dtype):
+        sent = BFLOAT16_BITS if bits and want.is_floating_point() else _numpy_name(want.dtype)
+        if entry.shape != tuple(want.shape) or entry.dtype != sent:
+            as_bits = f" as bfloat16's bits ({BFLOAT16_BITS}; reply_dtype=bfloat16)" if sent == BFLOAT16_BITS else ""
             raise ReplyError(f"{key!r}[{name!r}]: {str(entry.shape)[:80]} {entry.dtype[:80]}, expected "
-                             f"{tuple(want.shape)} {want.dtype}")
+                             f"{tuple(want.shape)} {want.dtype}{as_bits}")
     dtype = expected[order[0]].dtype if order else None
-    packed = [n for n in order if expected[n].dtype == dtype] if dtype is not None and dtype.is_floating_point else []
+    vectorized = dtype is not None and dtype.is_floating_point and (not bits or dtype == torch.float32)
+    packed = [n for n in order if expected[n].dtype == dtype] if vectorized else []
     tensors = {}
     if packed:
         numel = sum(expected[n].numel() for n in packed)
         vector = pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)
-        _copy_runs(vector.numpy(), [entries[n] for n in packed], values[_numpy_name(dtype)])
+        _copy_runs(vector.numpy(), [entries[n] for n in packed], values[BFLOAT16_BITS if bits else _numpy_name(dtype)],
+                   _widen_bfloat16 if bits else np.copyto)
         tensors = views(vector.to(device), packed, [expected[n].shape for n in packed])
     single, in_vector = {}, set(packed)
     for name in order:
         if name not in in_vector:
-            entry = entries[name]
-            host = values[entry.dtype][entry.offset:entry.end].reshape(entry.shape).copy()
-            single[name] = torch.from_numpy(host).to(device)
+            entry, want = entries[name], expected[name]
+            host = torch.from_numpy(values[entry.dtype][entry.offset:entry.end].reshape(entry.shape).copy())
+            if bits and want.is_floating_point():
+                host = host.view(torch.bfloat16).to(want.dtype)
+            single[name] = host.to(device)
     tensors.update(single)
     lead = list(first)[:consecutive(tensors, list(first))] if tensors else []
     norm = vector_norms([as_vector(tensors, lead)])[0] if lead == list(first) and lead else None
@@ -202,10 +214,21 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     return tensors, norm
 
 
-def _copy_runs(target: np.ndarray, entries: Sequence[Entry], source: np.ndarray) -> None:
+BFLOAT16_BITS = "int16"  # how a packed record holds bfloat16 values (NumPy has no bfloat16): fedact_app.wire
+
+
+def _widen_bfloat16(target: np.ndarray, source: np.ndarray) -> None:
+    """float32 ``target`` <- the bfloat16 values whose bits ``source`` (int16) holds: a bfloat16 is
+    the upper half of the float32 of the same value, so each is its bits shifted up by 16 (exact,
+    NaN and infinities included)."""
+    np.left_shift(source.view(np.uint16), 16, out=target.view(np.uint32), dtype=np.uint32)
+
+
+def _copy_runs(target: np.ndarray, entries: Sequence[Entry], source: np.ndarray,
+               copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto) -> None:
     """Copy the entries' values, all in ``source`` (the record's array of their dtype), one after
-    the other into ``target``: one copy for each run of entries that lie one after the other in
-    ``source`` too."""
+    the other into ``target`` (``copy(target_part, source_part)``, e.g. :func:`_widen_bfloat16`):
+    one copy for each run of entries that lie one after the other in ``source`` too."""
     runs: list[list[int]] = []  # [start, end] in source
     for entry in entries:
         if runs and runs[-1][1] == entry.offset:
@@ -214,7 +237,7 @@ def _copy_runs(target: np.ndarray, entries: Sequence[Entry], source: np.ndarray)
             runs.append([entry.offset, entry.end])
     start = 0
     for first, end in runs:
-        np.copyto(target[start:start + end - first], source[first:end])
+        copy(target[start:start + end - first], source[first:end])
         start += end - first
 
 
@@ -300,6 +323,7 @@ class Acceptance:
     max_update_norm: float | None = None
     max_moment_ratio: float = MAX_MOMENT_RATIO
     max_update_ratio: float = MAX_UPDATE_RATIO
+    reply_dtype: str = "float32"  # the dtype the clients send floating arrays in (read_arrays' ``wire``)
 
 
 @dataclass
@@ -436,7 +460,8 @@ def round_arrivals(acceptance: Acceptance, *, state: TensorDict, terms: RoundTer
     the round's updates are no longer read)."""
     return Arrivals(functools.partial(decode_updates, state=state, reply_keys=acceptance.reply_keys,
                                       trainable=acceptance.trainable, nonnegative=acceptance.nonnegative,
-                                      max_update_norm=acceptance.max_update_norm, terms=terms, pool=pool))
+                                      max_update_norm=acceptance.max_update_norm, terms=terms, pool=pool,
+                                      reply_dtype=acceptance.reply_dtype))
 
 
 def lower_median(values: Sequence[float]) -> float:

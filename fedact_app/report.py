@@ -46,7 +46,8 @@ VALUE_KINDS = ("final", "best")
 # that raised it continues the earlier one (the newest is kept). Older run folders lack the keys
 # added later, which then had these values:
 TRAINING_KEYS = {"num_clients": None, "fraction_train": None, "min_train_nodes": None, "local_steps": None,
-                 "batch_size": None, "precision": "fp32", "wire_dtype": "float32"}
+                 "batch_size": None, "precision": "fp32", "wire_dtype": "float32",
+                 "reply_dtype": "float32"}
 
 Warn = Callable[[str], None]
 

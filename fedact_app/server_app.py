@@ -118,7 +118,7 @@ def run_app(grid: Grid, context: Context) -> AlgorithmStrategy:
         fraction_evaluate=cfg.fraction_evaluate, seed=cfg.seed, expected_nodes=cfg.num_clients,
         max_empty_rounds=cfg.max_empty_rounds, max_update_norm=cfg.max_update_norm,
         batch_size=cfg.batch_size, max_moment_ratio=cfg.max_moment_ratio,
-        max_update_ratio=cfg.max_update_ratio, wire_dtype=cfg.wire_dtype,
+        max_update_ratio=cfg.max_update_ratio, wire_dtype=cfg.wire_dtype, reply_dtype=cfg.reply_dtype,
         train_config={**client_round_config(checkpointer, resume),
                       **({CLIENT_BATCH_KEY: True} if cfg.client_batch else {})},
         device=server_device(cfg))

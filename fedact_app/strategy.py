@@ -174,6 +174,8 @@ class AlgorithmStrategy(Strategy):
 
     ``batch_size`` bounds a reply's ``num-examples`` (K x batch_size); ``max_update_norm``,
     ``max_moment_ratio`` and ``max_update_ratio`` bound a reply's size (fedact_app.replies.Acceptance).
+    ``wire_dtype``: the dtype of the broadcast arrays the messages carry; ``reply_dtype``: the one
+    the replies' arrays come in (the run config's keys of those names).
     ``device`` (the run's ``server_device``) holds the global state, the rule's state and the
     decoded replies, so the checks, the diagnostics and the aggregation run there; what goes on the
     wire, into checkpoints and into the results is moved to the CPU.
@@ -186,7 +188,8 @@ class AlgorithmStrategy(Strategy):
                  node_wait_timeout: float = 300.0, max_update_norm: float | None = None,
                  batch_size: int | None = None, max_moment_ratio: float = MAX_MOMENT_RATIO,
                  max_update_ratio: float = MAX_UPDATE_RATIO, train_config: dict | None = None,
-                 wire_dtype: str = "float32", device: torch.device | str = "cpu") -> None:
+                 wire_dtype: str = "float32", reply_dtype: str = "float32",
+                 device: torch.device | str = "cpu") -> None:
         self.rule = rule
         self.device = torch.device(device)  # where the global state, the rule's state and the replies live
         self.vectors = VectorPool(pin=self.device.type == "cuda")  # the decoded replies' vectors (reused)
@@ -203,7 +206,8 @@ class AlgorithmStrategy(Strategy):
         self.batch_size = batch_size
         self.acceptance = Acceptance(reply_keys=tuple(rule.reply_keys), trainable=tuple(self.trainable),
                                      nonnegative=tuple(rule.nonnegative_keys), max_update_norm=max_update_norm,
-                                     max_moment_ratio=max_moment_ratio, max_update_ratio=max_update_ratio)
+                                     max_moment_ratio=max_moment_ratio, max_update_ratio=max_update_ratio,
+                                     reply_dtype=reply_dtype)
         self.train_config = dict(train_config or {})  # extra round-config entries for every client
         self.empty_rounds = 0  # consecutive rounds without a usable reply
         self.messages_sent = 0

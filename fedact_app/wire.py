@@ -1,7 +1,8 @@
 """Wire format of the arrays in Flower messages: how a dict of tensors becomes one ``ArrayRecord``
 (:func:`packed_record`, read back by :func:`unpacked` or, checked entry by entry, by
 :func:`packed_entries`), and the dtype of the server's broadcast arrays (v_bar, Delta_G,
-SCAFFOLD's c; ``wire_dtype``).
+SCAFFOLD's c; ``wire_dtype``) and of the clients' reply arrays (Delta, v, SCAFFOLD's change
+of c; ``reply_dtype``).
 
 A packed record holds one array per dtype, named by it (``"float32"``: every float32 tensor's
 values one after the other, in the dict's order), and a ``"layout"`` array: the UTF-8 JSON list
@@ -17,6 +18,9 @@ which composes the same config, views it back. Clients always compute in float32
 (:func:`from_wire`). float16's smallest normal is 6.1e-5 (subnormals down to 6e-8): second
 moments below that lose precision or flush to zero, so ``bfloat16`` (float32's exponent range,
 8 bits of mantissa) is the one to use for v_bar; docs/PERFORMANCE.md has the measured effect.
+``reply_dtype`` offers ``float32`` and ``bfloat16`` alone (float16 overflows above 65504): the
+client rounds its reply's floating values to bfloat16 once it has trained in float32, and the
+server widens them back exactly (fedact_app.replies.read_arrays) before any check.
 """
 
 from __future__ import annotations

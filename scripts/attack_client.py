@@ -13,7 +13,8 @@ import torch
 from flwr.clientapp import ClientApp
 
 from fedact_app import client_app
-from fedact_app.wire import packed_record, unpacked
+from fedact_app.config import compose
+from fedact_app.wire import from_wire, packed_record, to_wire, unpacked
 
 ATTACKS = ("scale", "flip", "push")
 ATTACK = "scale"  # scripts/attack.py sets the run's attack here
@@ -53,7 +54,8 @@ def train(msg, context):
     reply = client_app.train(msg, context)
     if reply.has_error() or int(context.node_config["partition-id"]) != ATTACKER:
         return reply
-    delta = unpacked(reply.content["delta"])
+    reply_dtype = compose(str(context.run_config.get("overrides", ""))).reply_dtype  # the run's wire format
+    delta = from_wire(unpacked(reply.content["delta"]), reply_dtype)
     x = unpacked(msg.content["model"])
-    reply.content["delta"] = packed_record(forge(ATTACK, delta, x))
+    reply.content["delta"] = packed_record(to_wire(forge(ATTACK, delta, x), reply_dtype))
     return reply

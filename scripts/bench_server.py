@@ -14,6 +14,8 @@ Flower ``RecordDict`` objects. Each repeat times, in turn:
   round to round as the strategy reuses them; names/shapes/dtypes, finiteness and the norms in
   one pass, v >= 0, the metrics);
 - decode, one thread: the same, ``decode_update`` of one reply after the other;
+- decode + checks, bfloat16 replies: the first with the replies' arrays in bfloat16
+  (``reply_dtype=bfloat16``: half the bytes, widened back to float32 as they are copied out);
 - acceptance: the round-relative bounds over the decoded replies (``update_ratios``,
   ``moment_outliers``, from the norms measured in decoding);
 - aggregate: the rule's ``FedACTServer.aggregate`` (x + mean(Delta_i), Delta_G, v_bar);
@@ -63,7 +65,7 @@ from bench_run import machine  # noqa: E402  (scripts/)
 from interleaved import interleaved, print_medians  # noqa: E402  (scripts/)
 from fedact_app.strategy import AlgorithmStrategy  # noqa: E402
 from fedact_app.train import resolve_device  # noqa: E402
-from fedact_app.wire import packed_record  # noqa: E402
+from fedact_app.wire import packed_record, to_wire  # noqa: E402
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,9 +77,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def replies_of(state: dict, trainable: list[str], clients: int) -> list[RecordDict]:
-    """The reply records of bench_aggregation.py's ``clients`` FedACT updates (delta, v)."""
-    return [RecordDict({"delta": packed_record(u.delta), "v": packed_record(u.arrays["v"]),
+def replies_of(state: dict, trainable: list[str], clients: int, reply_dtype: str = "float32") -> list[RecordDict]:
+    """The reply records of bench_aggregation.py's ``clients`` FedACT updates (delta, v), their
+    arrays in ``reply_dtype``."""
+    return [RecordDict({"delta": packed_record(to_wire(u.delta, reply_dtype)),
+                        "v": packed_record(to_wire(u.arrays["v"], reply_dtype)),
                         "metrics": MetricRecord({"num-examples": u.num_examples, "num-steps": u.num_steps,
                                                  "lr-sum": u.lr_sum, "train-loss": 1.0})})
             for u in updates_of(state, trainable, clients)]
@@ -94,25 +98,27 @@ def message(node: int, content: RecordDict) -> Message:
 class Round:
     """One server round's pieces over the same replies, each timed on its own."""
 
-    def __init__(self, cfg, x: dict, trainable: list[str], replies: list[RecordDict], device: torch.device):
+    def __init__(self, cfg, x: dict, trainable: list[str], replies: list[RecordDict], device: torch.device,
+                 replies_bfloat16: list[RecordDict]):
         self.rule = ALGORITHMS["fedact"].server(cfg.algorithm, trainable)
         self.strategy = AlgorithmStrategy(ALGORITHMS["fedact"].server(cfg.algorithm, trainable),
                                           trainable=trainable, local_steps=50, lr_schedule=lambda r: 3e-4,
                                           fraction_train=1.0, min_train_nodes=1, device=device)
         self.strategy.load_state_dict({"model": x, "rule": {}, "empty_rounds": 0})
         self.x = self.strategy.state
-        self.trainable, self.replies = trainable, replies
+        self.trainable, self.replies, self.replies_bfloat16 = trainable, replies, replies_bfloat16
         self.messages = [message(node + 1, content) for node, content in enumerate(replies)]
         # the pieces after decoding read replies of their own: the strategy's vectors are rewritten
         # by every piece that decodes
         self.updates = self.decode(pool=VectorPool(pin=device.type == "cuda"))
 
-    def decode(self, pool: VectorPool | None = None):
+    def decode(self, pool: VectorPool | None = None, reply_dtype: str = "float32"):
         if pool is None:
             pool = self.strategy.vectors
             pool.recycle()  # as the strategy does: each round into the last round's vectors
-        updates = decode_updates(self.replies, self.x, self.rule.reply_keys, self.trainable,
-                                 self.rule.nonnegative_keys, pool=pool)
+        replies = self.replies_bfloat16 if reply_dtype == "bfloat16" else self.replies
+        updates = decode_updates(replies, self.x, self.rule.reply_keys, self.trainable,
+                                 self.rule.nonnegative_keys, pool=pool, reply_dtype=reply_dtype)
         if refused := [u for u in updates if isinstance(u, ReplyError)]:
             raise RuntimeError(f"a reply was refused: {refused[0]}")
         return updates
@@ -155,9 +161,11 @@ def main(argv: list[str]) -> None:
         args.model, args.clients, args.repeats = "cnn_small", 3, 2
     cfg, x, trainable = fedact_state(args.model, num_classes=100)
     device = resolve_device(args.device, "server_device")
-    run = Round(cfg, x, trainable, replies_of(x, trainable, args.clients), device)
+    run = Round(cfg, x, trainable, replies_of(x, trainable, args.clients), device,
+                replies_of(x, trainable, args.clients, "bfloat16"))
     deltas = [as_vector(u.delta, trainable) for u in run.updates]
-    pieces = {"decode + checks": run.decode, "decode, one thread": run.decode_one_thread, "acceptance": run.accept,
+    pieces = {"decode + checks": run.decode, "decode, one thread": run.decode_one_thread,
+              "decode + checks, bfloat16": lambda: run.decode(reply_dtype="bfloat16"), "acceptance": run.accept,
               "aggregate": run.aggregate, "DC + ||Delta_G||": run.diagnostics, "server round": run.whole,
               "after the last reply": (run.all_but_the_last_arrived, run.after_last_reply),
               "floor: stack(S x d).sum(0)": lambda: torch.stack(deltas).sum(0)}

@@ -276,8 +276,8 @@ def test_bench_server_quick_prints_each_piece_the_round_and_the_floor():
     out = run_script("bench_server.py", "--quick", timeout=180)
     assert re.search(r"^cnn_small: 19,466 trainable parameters in 6 tensors; 3 FedACT replies \(delta, v\); "
                      r".+, \d+ threads; device cpu; median of 2", out, re.M), out
-    for piece in ("decode + checks", "acceptance", "aggregate", "DC + ||Delta_G||", "server round",
-                  "after the last reply"):
+    for piece in ("decode + checks", "decode + checks, bfloat16", "acceptance", "aggregate", "DC + ||Delta_G||",
+                  "server round", "after the last reply"):
         assert re.search(rf"^{re.escape(piece)} +\d+\.\d +\[\d+\.\d-\d+\.\d\] +\d+\.\d\d$", out, re.M), (piece, out)
     assert re.search(r"^floor: stack\(S x d\)\.sum\(0\) +\d+\.\d +\[\d+\.\d-\d+\.\d\] +1\.00$", out, re.M), out
 

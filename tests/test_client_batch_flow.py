@@ -198,6 +198,28 @@ def test_a_rounds_messages_trained_at_once_reply_as_each_client_alone():
         assert_close_replies(reply, alone.content, same_seconds=seconds)
 
 
+def test_a_bfloat16_run_replies_with_each_float32_value_rounded_to_bfloat16_alone_and_in_a_batch():
+    """reply_dtype=bfloat16: the client trains as in float32 and sends each floating value of its
+    reply rounded to bfloat16, as bfloat16's bits (int16: fedact_app.wire)."""
+    in_bf16 = f"{RUN} reply_dtype=bfloat16"
+    float32 = client_work.run_message("train", train_message(0), context(0)).content
+    alone = client_work.run_message("train", train_message(0, overrides=in_bf16), context(0, in_bf16)).content
+    batched = client_work.train_contents([(train_message(p, overrides=in_bf16).content, context(p, in_bf16),
+                                           time.time() + 600) for p in (1, 0)])[1]
+    for key in ("delta", "v"):
+        want = unpacked(float32[key])
+        assert all(t.dtype == torch.float32 for t in want.values())
+        for reply in (alone, batched):
+            got = unpacked(reply[key])
+            assert got.keys() == want.keys() and all(t.dtype == torch.int16 for t in got.values())
+        for name, t in want.items():
+            assert torch.equal(unpacked(alone[key])[name].view(torch.bfloat16), t.to(torch.bfloat16)), (key, name)
+            # batched: within float32's rounding of the batched products, then bfloat16's (2^-8 relative)
+            scale = t.abs().max().item()
+            torch.testing.assert_close(unpacked(batched[key])[name].view(torch.bfloat16).float(), t, rtol=2 ** -8,
+                                       atol=1e-5 * scale)
+
+
 def test_a_client_whose_round_fails_or_whose_deadline_passed_fails_alone():
     overrides = f"{RUN} debug.fail_partitions=[1] debug.fail_rounds=[2]"
     deadlines = {0: time.time() + 600, 1: time.time() + 600, 2: time.time() - 5}

@@ -20,7 +20,7 @@ APP_DIR = Path(__file__).resolve().parents[1]
 SHORT = "num_rounds=2 num_clients=2 fraction_train=1.0 min_train_nodes=2 local_steps=10"
 LEARNS = ("algorithm=fedact num_rounds=3 num_clients=3 fraction_train=1.0 min_train_nodes=3 "
           "local_steps=15 algorithm.lr=3e-3")
-FAST_OPTIONS = "wire_dtype=bfloat16 precision=bf16 channels_last=true"
+FAST_OPTIONS = "wire_dtype=bfloat16 reply_dtype=bfloat16 precision=bf16 channels_last=true"
 SGD_FAMILY = ("fedavg", "fedprox", "scaffold", "fedadam")  # no adaptive direction: no trust score
 CLIENT_DIAGNOSTICS = ("positive_ratio", "top_p_mass")
 JOBS = {**{name: (f"algorithm={name} {SHORT}", 2) for name in ALGORITHMS}, "fedact-learns": (LEARNS, 3),
@@ -138,7 +138,8 @@ def test_fedact_run_learns(job):
 @pytest.mark.also_job("fedact")
 def test_bf16_wire_autocast_and_channels_last_run(job, runs):
     """The speed options through real Flower: v_bar and Delta_G travel in 2 bytes per value (round 2
-    is the first with them), bf16 autocast and channels_last train, nothing is rejected."""
+    is the first with them), so do the replies' Delta and v (from round 1), bf16 autocast and
+    channels_last train, nothing is rejected."""
     from fedact_app.config import compose
     from fedact_app.tasks.vision.models import build_model
 
@@ -147,11 +148,16 @@ def test_bf16_wire_autocast_and_channels_last_run(job, runs):
     assert all(r["clients"] == 2 and r["rejected"] == 0 for r in rows[1:])
     assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["test_loss"]) for r in rows[1:])
     cfg = compose("")
-    trainable = sum(p.numel() for p in build_model(cfg.model, cfg.dataset).parameters() if p.requires_grad)
+    model = build_model(cfg.model, cfg.dataset)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     saved = fp32_rows[2]["bytes_sent"] - rows[2]["bytes_sent"]
     expected = 2 * 2 * 2 * trainable  # 2 nodes x (v_bar, Delta_G) x 2 bytes saved per value
     assert abs(saved - expected) < 1024, (saved, expected)
     assert fp32_rows[1]["bytes_sent"] == rows[1]["bytes_sent"]  # round 1: the model only
+    floats = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+    for server_round in (1, 2):  # 2 nodes x (Delta over the model's floating entries, v over the trainable) x 2 bytes
+        saved = fp32_rows[server_round]["bytes_received"] - rows[server_round]["bytes_received"]
+        assert abs(saved - 2 * 2 * (floats + trainable)) < 1024, (server_round, saved, floats, trainable)
 
 
 @pytest.mark.e2e

@@ -292,3 +292,32 @@ def test_a_round_too_small_for_the_trim_changes_nothing(caplog):
         arrays, metrics = strategy.aggregate_train(1, [reply(1, content()), reply(2, content())])
     assert arrays is None and metrics["clients"] == 0 and unchanged(strategy)
     assert "the server rule refused the 2 replies (trimmed_mean with trim_fraction=0.2" in caplog.text
+
+
+def test_the_attack_client_forges_its_update_in_the_runs_reply_dtype(monkeypatch):
+    """scripts/attack_client.py reads the honest Delta and sends the forged one as the run's
+    clients send replies: with reply_dtype=bfloat16, as bfloat16's bits (else its forgery would
+    read the bits as integers and leave them honest)."""
+    import sys
+    from pathlib import Path
+
+    from flwr.app import Context
+
+    from fedact_app.wire import to_wire, unpacked
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import attack_client
+
+    honest = {"w": torch.tensor([0.5, -0.25, 3e-3]), "n": torch.tensor(3)}
+    metadata = Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=5, reply_to_message_id="",
+                        group_id="1", created_at=time.time(), ttl=60.0, message_type=MessageType.TRAIN)
+    msg = Message(metadata=metadata, content=RecordDict({"model": packed_record({"w": torch.zeros(3),
+                                                                                  "n": torch.tensor(0)})}))
+    monkeypatch.setattr(attack_client.client_app, "train", lambda m, _: Message(
+        content=RecordDict({"delta": packed_record(to_wire(honest, "bfloat16"))}), reply_to=m))
+    context = Context(run_id=1, node_id=5, state=RecordDict(), node_config={"partition-id": attack_client.ATTACKER},
+                      run_config={"overrides": "reply_dtype=bfloat16"})
+    forged = unpacked(attack_client.train(msg, context).content["delta"])
+    assert forged["w"].dtype == torch.int16 and torch.equal(forged["n"], honest["n"])
+    sent = honest["w"].bfloat16().float()
+    assert torch.equal(forged["w"].view(torch.bfloat16), (sent * 1e4).bfloat16())

@@ -151,11 +151,11 @@ def test_runs_that_differ_in_a_training_setting_are_rows_of_their_own(tmp_path):
 
 def test_a_resumed_run_and_an_older_folder_are_the_same_run_as_their_twin(tmp_path):
     """Not told apart: a run resumed with a larger num_rounds (it continues the earlier one; the
-    newest folder is kept), and a folder from before precision/wire_dtype were written (it ran
+    newest folder is kept), and a folder from before precision/wire_dtype/reply_dtype were written (it ran
     with their defaults)."""
     older = write_run(tmp_path / "a", "fedact", 0.6, 1, num_rounds=3)
     resumed = write_run(tmp_path / "b", "fedact", 0.6, 1, num_rounds=5,
-                        extra="precision: fp32\nwire_dtype: float32\n")
+                        extra="precision: fp32\nwire_dtype: float32\nreply_dtype: float32\n")
     resumed = resumed.rename(resumed.with_name(resumed.name.replace("20260101-000000", "20260102-000000")))
     warnings = []
     runs = report.load_runs([tmp_path], warn=warnings.append)

@@ -115,7 +115,8 @@ def test_compile_key_reaches_the_fedact_optimizer_and_is_refused_elsewhere():
         compose(["algorithm=fedavg", "algorithm.compile=true"])
 
 
-@pytest.mark.parametrize("override, key", [("precision=fp16", "precision"), ("wire_dtype=int8", "wire_dtype")])
+@pytest.mark.parametrize("override, key", [("precision=fp16", "precision"), ("wire_dtype=int8", "wire_dtype"),
+                                           ("reply_dtype=float16", "reply_dtype")])
 def test_bad_speed_option_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"{key}=.*allowed one of"):
         compose([override])

@@ -16,9 +16,9 @@ from fedact_app.algorithms import ALGORITHMS
 from fedact_app.config import Config, ConfigError, compose
 from fedact_app.tasks.vision.data import train_labels
 from fedact_app.tasks.vision.partition import check_partitions
-from fedact_app.replies import ReplyError, decode_update
+from fedact_app.replies import ReplyError, decode_update, read_arrays
 from fedact_app.strategy import AlgorithmStrategy
-from fedact_app.wire import packed_record, unpacked
+from fedact_app.wire import packed_record, to_wire, unpacked
 
 
 @pytest.mark.parametrize("override, key", [
@@ -236,6 +236,59 @@ def test_update_norm_bound_rejects_only_larger_updates():
     strategy.messages_sent = 2
     _, metrics = strategy.aggregate_train(1, [reply(1, good_content()), reply(2, good_content(scale=2.0))])
     assert (metrics["clients"], metrics["rejected"]) == (1, 1)  # 2 * 0.935 > 1 rejected, 0.935 kept
+
+
+def bfloat16_value(x: float) -> float:
+    """The bfloat16 nearest to the float32 ``x`` (ties to even), by its bits: the upper 16 of them,
+    plus one where the lower 16 are above half, or at half with the upper ones odd."""
+    bits = int(np.float32(x).view(np.uint32))
+    upper, lower = bits >> 16, bits & 0xFFFF
+    upper += lower > 0x8000 or (lower == 0x8000 and upper & 1)
+    return float(np.uint32(upper << 16).view(np.float32))
+
+
+def test_a_bfloat16_reply_decodes_to_the_nearest_bfloat16_of_each_value():
+    """reply_dtype=bfloat16: the client sends each floating value's nearest bfloat16 as its bits,
+    the server reads back exactly those values (integers unchanged), and the update's norm is
+    theirs."""
+    g = torch.Generator().manual_seed(3)
+    delta = {"w": torch.randn(2, 3, generator=g) * torch.tensor([1e-30, 1e-3, 1.0]), "b": torch.randn(2, generator=g),
+             "bn.n": torch.tensor(1)}
+    v = {"w": torch.rand(2, 3, generator=g) ** 8, "b": torch.tensor([1e-38, 3.0e38])}
+    content = good_content()
+    content["delta"], content["v"] = packed_record(to_wire(delta, "bfloat16")), packed_record(to_wire(v, "bfloat16"))
+    update = decode_update(content, STATE, ("v",), TRAINABLE, ("v",), reply_dtype="bfloat16")
+    for sent, got in ((delta, update.delta), (v, update.arrays["v"])):
+        for name, tensor in sent.items():
+            if tensor.is_floating_point():
+                want = [bfloat16_value(x) for x in tensor.flatten().tolist()]
+                assert got[name].dtype == torch.float32 and got[name].flatten().tolist() == want, name
+            else:
+                assert torch.equal(got[name], tensor)
+    squares = sum(bfloat16_value(x) ** 2 for name in TRAINABLE for x in delta[name].flatten().tolist())
+    assert update.norms["delta"] == pytest.approx(math.sqrt(squares), rel=1e-12)
+    # an entry of another floating dtype than the first's is read alone, into its own dtype
+    mixed = {"a": torch.tensor([0.1, -2.5]), "d": torch.tensor([float(np.float32(1 / 3)), 2.0 ** -70, -7.0], dtype=torch.float64)}
+    got, _ = read_arrays("v", packed_record(to_wire(mixed, "bfloat16")), mixed, first=["a"], wire="bfloat16")
+    assert got["d"].dtype == torch.float64
+    assert got["d"].tolist() == [bfloat16_value(x) for x in mixed["d"].tolist()]  # float32 values: no double rounding
+    assert got["a"].tolist() == [bfloat16_value(x) for x in mixed["a"].tolist()]
+
+
+def test_a_reply_in_the_other_dtype_than_the_runs_reply_dtype_is_refused_naming_it():
+    as_bits = good_content()
+    as_bits["v"] = packed_record(to_wire(unpacked(as_bits["v"]), "bfloat16"))
+    with pytest.raises(ReplyError, match=r"'v'\['w'\]: \(2, 3\) int16, expected \(2, 3\) torch.float32$"):
+        decode_update(as_bits, STATE, ("v",), TRAINABLE)
+    with pytest.raises(ReplyError, match=r"'delta'\['w'\]: \(2, 3\) float32, expected .* as bfloat16's bits "
+                                         r"\(int16; reply_dtype=bfloat16\)"):
+        decode_update(good_content(), STATE, ("v",), TRAINABLE, reply_dtype="bfloat16")
+    broken = {"w": torch.full((2, 3), float("inf")), "b": torch.zeros(2), "bn.n": torch.tensor(0)}
+    content = good_content()
+    content["delta"] = packed_record(to_wire(broken, "bfloat16"))
+    content["v"] = packed_record(to_wire(unpacked(content["v"]), "bfloat16"))
+    with pytest.raises(ReplyError, match=r"'delta'\['w'\] has non-finite values"):
+        decode_update(content, STATE, ("v",), TRAINABLE, reply_dtype="bfloat16")
 
 
 def test_negative_second_moment_is_rejected_only_where_declared():
