@@ -67,6 +67,11 @@ def _compose(overrides: str) -> Config:
     return compose(overrides)
 
 
+def run_config(context: Context) -> Config:
+    """The run's config, composed from its ``overrides`` (once per process and overrides)."""
+    return _compose(str(context.run_config.get("overrides", "")))
+
+
 def node_partition(context: Context, num_clients: int) -> tuple[int, int]:
     """(partition-id, num-partitions) from the node config, checked against the run config."""
     node_config = context.node_config
@@ -255,7 +260,7 @@ def message_deadline(msg: Message, round_timeout: float) -> float:
 
 def run_round_timeout(context: Context) -> float:
     """The run's ``round_timeout`` (seconds the server waits for a round's replies)."""
-    return _compose(str(context.run_config.get("overrides", ""))).round_timeout
+    return run_config(context).round_timeout
 
 
 def handle(msg: Message, context: Context, work: Callable[[Message, Context], RecordDict]) -> Message:
@@ -294,7 +299,7 @@ def prepare(context: Context) -> None:
     and read the node's training data, ahead of its first message; nothing where the machine's
     batching worker trains the node and the run evaluates on no client (``client_batch=true``,
     ``fraction_evaluate=0``): the node's warm worker then gets no message."""
-    cfg = _compose(str(context.run_config.get("overrides", "")))
+    cfg = run_config(context)
     if cfg.client_batch and cfg.fraction_evaluate == 0:
         return
     trainer, partition_id, num_partitions = node_trainer(context)
@@ -310,7 +315,7 @@ def run_batched_train(msg: Message, context: Context, gather: Gather, ticket: Ti
         raise ValueError(f"A training message of a client_batch=true run lacks {ROUND_CLIENTS_KEY!r} in its "
                          "config (the number of the round's training messages, which this app's ServerApp "
                          f"sends); config keys seen: {sorted(config)}")
-    cfg = _compose(str(context.run_config.get("overrides", "")))
+    cfg = run_config(context)
     group = (msg.metadata.run_id, int(config["server-round"]))
     deadline = message_deadline(msg, cfg.round_timeout)
     return handle(msg, context, lambda msg, context: gather.submit(

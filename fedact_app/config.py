@@ -21,8 +21,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from fedact_app.registry import (AGGREGATIONS, BUILTIN_DATASETS, DATASETS, FEDACT_FAMILY, LORA_MODELS,
-                                 MAX_MOMENT_RATIO, MAX_UPDATE_RATIO, METHODS, MODELS, TASK_CHOICES, TASKS,
-                                 TRIM_FRACTION, WEIGHTINGS, hyperparameter_errors, trim_count)
+                                 MAX_MOMENT_RATIO, MAX_UPDATE_RATIO, METHODS, MODELS, REPLY_DTYPES, TASK_CHOICES,
+                                 TASKS, TRIM_FRACTION, WEIGHTINGS, hyperparameter_errors, trim_count)
 from fedact_app.sampling import sample_count
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -31,7 +31,6 @@ PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
-REPLY_DTYPES = ("float32", "bfloat16")  # float16 would overflow second moments above 65504
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 
 
@@ -356,6 +355,9 @@ class Config:
         self._require_client_batch()
         _require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _require_choice("reply_dtype", self.reply_dtype, REPLY_DTYPES)
+        _require(self.reply_dtype == "float32" or self.algorithm.name != "scaffold", "reply_dtype", self.reply_dtype,
+                 "float32 for algorithm=scaffold: its server's c must stay the mean of the clients' c_i, which each "
+                 "client keeps unrounded, and rounded changes of c_i would drift apart from them round by round")
         _require(self.max_update_norm is None or self.max_update_norm > 0, "max_update_norm",
                  self.max_update_norm, "> 0, or null (no bound)")
         _require(self.max_moment_ratio == 0 or self.max_moment_ratio >= 1, "max_moment_ratio",

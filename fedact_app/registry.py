@@ -54,6 +54,9 @@ TRIM_FRACTION = 0.2  # trimmed_mean's default trim (Flower's FedTrimmedAvg defau
 # most this many times the round's lower median (docs/ROBUSTNESS.md has how the update bound was chosen)
 MAX_MOMENT_RATIO = 1e6
 MAX_UPDATE_RATIO = 10.0
+# the dtypes a reply's floating arrays may travel in (reply_dtype; fedact_app.wire): float16 would
+# overflow second moments above 65504
+REPLY_DTYPES = ("float32", "bfloat16")
 
 
 def trim_count(size: int, trim_fraction: float) -> int:

@@ -31,7 +31,7 @@ from fedact_app.diagnostics import CLIENT_METRICS, vector_norms
 from fedact_app.finite import all_finite
 from fedact_app.optim.topk import host_map
 from fedact_app.packing import VectorPool, as_vector, consecutive, views
-from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO
+from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO, REPLY_DTYPES
 from fedact_app.sampling import ClientKey
 from fedact_app.wire import Entry, packed_entries
 
@@ -161,8 +161,9 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     staging of the one copy there). The norm's pass is the finiteness check of ``first`` (a NaN
     or inf entry makes it so, and finite float32 squares cannot overflow float64's sum), one float
     sum that of the vector's other entries; only a result that is not finite is looked into
-    entry by entry. ``wire`` "bfloat16": every floating entry comes as bfloat16's bits in int16
-    (fedact_app.wire.to_wire) and is widened, exactly, to its expected dtype."""
+    entry by entry. ``wire`` (the run's ``reply_dtype``) "bfloat16": every floating entry comes as
+    bfloat16's bits in int16 (fedact_app.wire.to_wire) and is widened to its expected dtype
+    (exactly to float32 or float64); ValueError for a ``wire`` other than float32 and bfloat16."""
     try:
         entries, values = packed_entries(record)
     except ValueError as err:
@@ -171,15 +172,19 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
         missing, extra = expected.keys() - entries.keys(), entries.keys() - expected.keys()
         extra_names = [name[:80] for name in sorted(extra)[:3]]  # a client's names, cut for the log
         raise ReplyError(f"{key!r}: wrong entries (missing {sorted(missing)[:3]}, extra {extra_names})")
+    if wire not in REPLY_DTYPES:
+        raise ValueError(f"reply dtype {wire!r}: allowed one of {', '.join(REPLY_DTYPES)}")
     bits = wire == "bfloat16"
     order = list(dict.fromkeys([*first, *expected]))
     for name in order:
         entry, want = entries[name], expected[name]
         sent = BFLOAT16_BITS if bits and want.is_floating_point() else _numpy_name(want.dtype)
         if entry.shape != tuple(want.shape) or entry.dtype != sent:
-            as_bits = f" as bfloat16's bits ({BFLOAT16_BITS}; reply_dtype=bfloat16)" if sent == BFLOAT16_BITS else ""
+            floating = want.is_floating_point()
+            hint = f" (the run's reply_dtype is {wire})" if floating and BFLOAT16_BITS in (sent, entry.dtype) else ""
+            as_bits = f" as bfloat16's bits ({BFLOAT16_BITS})" if sent == BFLOAT16_BITS else ""
             raise ReplyError(f"{key!r}[{name!r}]: {str(entry.shape)[:80]} {entry.dtype[:80]}, expected "
-                             f"{tuple(want.shape)} {want.dtype}{as_bits}")
+                             f"{tuple(want.shape)} {want.dtype}{as_bits}{hint}")
     dtype = expected[order[0]].dtype if order else None
     vectorized = dtype is not None and dtype.is_floating_point and (not bits or dtype == torch.float32)
     packed = [n for n in order if expected[n].dtype == dtype] if vectorized else []

@@ -6,7 +6,7 @@ a path given here is a run folder itself, a sweep folder (scripts/sweep.py) or a
 folders at any depth below it. A run counts as completed when it has ``summary.json`` and no sweep
 ``summary.jsonl`` above it lists its job with another status; only completed runs are loaded (the
 others are skipped with a warning). Runs of one method whose algorithm settings or training
-settings (``TRAINING_KEYS``: clients, participation, local steps, batch, precision, wire dtype)
+settings (``TRAINING_KEYS``: clients, participation, local steps, batch, precision, wire dtypes)
 differ (an ablation sweep over rho, tau, local_steps, ...) are told apart by those
 settings, e.g. ``FedACT (rho=0.3)``, ``FedACT (local_steps=5)``. Runs of the same method,
 settings, setting and seed are one run: the newest folder (by name, which starts with its start

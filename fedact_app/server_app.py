@@ -60,8 +60,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def initial_model(cfg: Config, startup: dict[str, float | None] | None = None,
-                  ) -> tuple[Task, torch.nn.Module, TensorDict, list[str]]:
+Startup = dict[str, float | None]  # a start-up phase -> its Unix time (summary.json's ``startup``)
+
+
+def initial_model(cfg: Config, startup: Startup | None = None) -> tuple[Task, torch.nn.Module, TensorDict, list[str]]:
     """The run's task (its data checked), its model with the seed's initial weights, the shared
     entries of that model (x^0, copies) and the names of the trainable parameters. ``startup``
     gets the Unix times of the data checked (``data``) and of the model built (``model``)."""

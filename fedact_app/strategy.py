@@ -6,7 +6,8 @@ Each round it samples nodes, sends every sampled node one ``RecordDict``::
     <key>:    ArrayRecord   the server rule's broadcast arrays (FedACT: "v_bar", "delta_g")
     "config": ConfigRecord  server-round, local-steps, lr, global-step
 
-(the broadcast arrays in ``wire_dtype``: float32 by default, bfloat16/float16 halve their bytes)
+(the broadcast arrays in ``wire_dtype``: float32 by default, bfloat16/float16 halve their bytes;
+the replies' arrays in ``reply_dtype``, float32 or bfloat16)
 
 and expects back::
 

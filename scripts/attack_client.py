@@ -12,8 +12,7 @@ this file into an app folder with ``ATTACK`` set to one of ``ATTACKS``:
 import torch
 from flwr.clientapp import ClientApp
 
-from fedact_app import client_app
-from fedact_app.config import compose
+from fedact_app import client_app, client_work
 from fedact_app.wire import from_wire, packed_record, to_wire, unpacked
 
 ATTACKS = ("scale", "flip", "push")
@@ -54,7 +53,7 @@ def train(msg, context):
     reply = client_app.train(msg, context)
     if reply.has_error() or int(context.node_config["partition-id"]) != ATTACKER:
         return reply
-    reply_dtype = compose(str(context.run_config.get("overrides", ""))).reply_dtype  # the run's wire format
+    reply_dtype = client_work.run_config(context).reply_dtype  # the run's wire format
     delta = from_wire(unpacked(reply.content["delta"]), reply_dtype)
     x = unpacked(msg.content["model"])
     reply.content["delta"] = packed_record(to_wire(forge(ATTACK, delta, x), reply_dtype))

@@ -106,8 +106,9 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     """The rows of metrics.jsonl of one simulation run (round 1 on), and its times: ``wall`` (the
     whole run), ``startup`` (seconds from the launch to each start-up phase of summary.json's
     ``startup``, None for a phase it lacks; ``first_round``: round 1's start), ``round_ends``
-    (Unix time at the end of each row's round) and ``round0_seconds`` (the initial evaluation's,
-    None where the row does not say)."""
+    (Unix time at the end of each row's round), ``round0_seconds`` (the initial evaluation's,
+    None where the row does not say) and ``batches`` ((round, text) of each batch the batching
+    worker logged, ``BATCH_LINE``: a ``client_batch`` run's)."""
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     begun = time.time()
     result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=args.clients,
@@ -131,7 +132,6 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     return rows, {"wall": result.seconds, "round_ends": ends, "round0_seconds": initial.get("seconds"),
                   "startup": {phase: None if at is None else at - begun for phase, at in startup.items()},
                   "batches": batches}
-
 
 
 def serde_seconds(messages: list[dict[str, TensorDict]]) -> float:
@@ -362,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
                                                    f"of the {flower_round:.2f} s round"))
     if cfg.client_batch:
         print("the batching worker's batches (fedact_app.node_worker.gather's log):")
-        for server_round, text in times["batches"]:
-            if flower[0]["round"] <= server_round <= flower[-1]["round"]:
-                print(f"  round {server_round}: {text}")
+        batches = [(r, text) for r, text in times["batches"] if flower[0]["round"] <= r <= flower[-1]["round"]]
+        for server_round, text in batches:
+            print(f"  round {server_round}: {text}")
+        if not batches:
+            print("  none in the run's log: its messages were trained in the ClientApps")
     rounds_done = flower_rows[-1]["round"]
     startup = times["startup"]
     projected = startup["first_round"] + flower_rows[0]["seconds"] + (args.project_rounds - 1) * flower_round

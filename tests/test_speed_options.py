@@ -115,6 +115,13 @@ def test_compile_key_reaches_the_fedact_optimizer_and_is_refused_elsewhere():
         compose(["algorithm=fedavg", "algorithm.compile=true"])
 
 
+def test_scaffold_keeps_float32_replies():
+    """SCAFFOLD's server c must stay the mean of the clients' unrounded c_i."""
+    with pytest.raises(ConfigError, match=r"reply_dtype='bfloat16': allowed float32 for algorithm=scaffold"):
+        compose(["algorithm=scaffold", "reply_dtype=bfloat16"])
+    assert compose(["algorithm=fedavg", "reply_dtype=bfloat16"]).reply_dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("override, key", [("precision=fp16", "precision"), ("wire_dtype=int8", "wire_dtype"),
                                            ("reply_dtype=float16", "reply_dtype")])
 def test_bad_speed_option_names_the_key(override, key):

@@ -268,7 +268,8 @@ def test_a_bfloat16_reply_decodes_to_the_nearest_bfloat16_of_each_value():
     squares = sum(bfloat16_value(x) ** 2 for name in TRAINABLE for x in delta[name].flatten().tolist())
     assert update.norms["delta"] == pytest.approx(math.sqrt(squares), rel=1e-12)
     # an entry of another floating dtype than the first's is read alone, into its own dtype
-    mixed = {"a": torch.tensor([0.1, -2.5]), "d": torch.tensor([float(np.float32(1 / 3)), 2.0 ** -70, -7.0], dtype=torch.float64)}
+    mixed = {"a": torch.tensor([0.1, -2.5]),
+             "d": torch.tensor([float(np.float32(1 / 3)), 2.0 ** -70, -7.0], dtype=torch.float64)}
     got, _ = read_arrays("v", packed_record(to_wire(mixed, "bfloat16")), mixed, first=["a"], wire="bfloat16")
     assert got["d"].dtype == torch.float64
     assert got["d"].tolist() == [bfloat16_value(x) for x in mixed["d"].tolist()]  # float32 values: no double rounding
@@ -278,11 +279,14 @@ def test_a_bfloat16_reply_decodes_to_the_nearest_bfloat16_of_each_value():
 def test_a_reply_in_the_other_dtype_than_the_runs_reply_dtype_is_refused_naming_it():
     as_bits = good_content()
     as_bits["v"] = packed_record(to_wire(unpacked(as_bits["v"]), "bfloat16"))
-    with pytest.raises(ReplyError, match=r"'v'\['w'\]: \(2, 3\) int16, expected \(2, 3\) torch.float32$"):
+    with pytest.raises(ReplyError, match=r"'v'\['w'\]: \(2, 3\) int16, expected \(2, 3\) torch.float32 "
+                                         r"\(the run's reply_dtype is float32\)$"):
         decode_update(as_bits, STATE, ("v",), TRAINABLE)
-    with pytest.raises(ReplyError, match=r"'delta'\['w'\]: \(2, 3\) float32, expected .* as bfloat16's bits "
-                                         r"\(int16; reply_dtype=bfloat16\)"):
+    with pytest.raises(ReplyError, match=r"'delta'\['w'\]: \(2, 3\) float32, expected \(2, 3\) torch.float32 as "
+                                         r"bfloat16's bits \(int16\) \(the run's reply_dtype is bfloat16\)$"):
         decode_update(good_content(), STATE, ("v",), TRAINABLE, reply_dtype="bfloat16")
+    with pytest.raises(ValueError, match="reply dtype 'float16': allowed one of float32, bfloat16"):
+        decode_update(good_content(), STATE, ("v",), TRAINABLE, reply_dtype="float16")
     broken = {"w": torch.full((2, 3), float("inf")), "b": torch.zeros(2), "bn.n": torch.tensor(0)}
     content = good_content()
     content["delta"] = packed_record(to_wire(broken, "bfloat16"))
