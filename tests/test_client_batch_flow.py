@@ -262,6 +262,42 @@ def test_the_clientapps_hand_a_rounds_messages_to_one_worker_that_trains_them_at
         assert contexts[p].state is not None
 
 
+def test_a_rounds_broadcast_crosses_to_the_worker_once_and_each_reply_is_the_clients_own(workers, monkeypatch):
+    """The first ClientApp of a round sends its whole message; once the worker holds it, the
+    round's later ClientApps send theirs without the model and the server's arrays (the worker
+    puts its own back), and every reply is still its client's alone."""
+    sent, acks = [], threading.Event()
+    send, recv = forward.send_frames, forward.recv_frames
+
+    def sending(sock, header, *blobs):
+        sent.append((header, sum(map(len, blobs))))
+        return send(sock, header, *blobs)
+
+    def receiving(sock):
+        header, blobs = recv(sock)
+        if header.get("ack"):
+            acks.set()
+        return header, blobs
+
+    monkeypatch.setattr(forward, "send_frames", sending)
+    monkeypatch.setattr(forward, "recv_frames", receiving)
+    contexts = {p: context(p) for p in range(3)}
+    messages = {p: train_message(p) for p in range(3)}
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(client_app.reply, "train", messages[0], contexts[0])
+        assert acks.wait(120)  # the worker has read the first message (and started: imports, trainer)
+        later = [pool.submit(client_app.reply, "train", messages[p], contexts[p]) for p in (1, 2)]
+        replies = dict(zip(range(3), [first.result(), *(future.result() for future in later)]))
+    messages_sent = [(header["omitted"], size) for header, size in sent if "omitted" in header]
+    broadcast = sum(record.count_bytes() for record in messages[0].content.array_records.values())
+    assert messages_sent[0][0] == [] and messages_sent[0][1] > broadcast
+    assert [sorted(omitted) for omitted, _ in messages_sent[1:]] == [["delta_g", "model", "v_bar"]] * 2
+    assert all(size < 4096 for _, size in messages_sent[1:])
+    for p, reply in replies.items():
+        assert not reply.has_error(), reply.error
+        assert_close_replies(reply.content, client_work.run_message("train", train_message(p), context(p)).content)
+
+
 def test_a_run_without_client_batch_is_not_forwarded(monkeypatch):
     message = train_message(0)
     message.content["config"] = ConfigRecord({**dict(message.content["config"]), CLIENT_BATCH_KEY: False})

@@ -306,3 +306,21 @@ def test_a_message_crosses_the_socket_as_its_protobuf_and_its_arrays_bytes_uncha
     assert message_from_blobs(message_blobs(failed)).error.reason == "it failed"
     with pytest.raises(ValueError, match=r"of \d+ arrays came with 1 array blobs"):
         message_from_blobs(blobs[:2])
+
+
+def test_records_the_other_end_holds_cross_empty_and_come_back_from_it():
+    """frames.message_blobs(omit=...): the model goes without its bytes; the receiving end puts
+    back the record it holds, in its place; a record to be put back that came with arrays, or
+    did not come, is refused."""
+    from fedact_app.node_worker.frames import message_blobs, message_from_blobs
+
+    msg = train_message(2)
+    blobs = message_blobs(msg, omit=["model"])
+    assert len(blobs) == 1 + len(msg.content["c"]) and sum(map(len, blobs)) < 4096 + len(msg.content["c"]["float32"].data)
+    back = message_from_blobs(blobs, shared={"model": msg.content["model"]})
+    assert list(back.content.keys()) == list(msg.content.keys()) and back.content["model"] is msg.content["model"]
+    assert [a.data for a in back.content["c"].values()] == [a.data for a in msg.content["c"].values()]
+    with pytest.raises(ValueError, match=r"\['c'\] were to be left out, and are missing or came with arrays"):
+        message_from_blobs(blobs, shared={"model": msg.content["model"], "c": msg.content["c"]})
+    with pytest.raises(ValueError, match=r"\['v_bar'\] were to be left out"):
+        message_from_blobs(blobs, shared={"model": msg.content["model"], "v_bar": msg.content["c"]})

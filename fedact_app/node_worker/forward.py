@@ -71,7 +71,9 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
     """The worker's reply to ``msg`` (a ``kind`` message: "train" or "evaluate"), with
     ``context.state`` replaced by the state the worker's work left; None where no worker took it.
     ``batched``: the machine's worker that trains the run's clients in batches
-    (:mod:`fedact_app.node_worker.gather`) takes the training message, whatever node sent it."""
+    (:mod:`fedact_app.node_worker.gather`) takes the training message, whatever node sent it,
+    without the array records it already holds of the message's round (its model and broadcast,
+    :mod:`fedact_app.node_worker.worker`)."""
     from flwr.common.serde import context_from_proto, context_to_proto
     from flwr.proto.message_pb2 import Context as ProtoContext
 
@@ -83,10 +85,19 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
         return None
     with sock:
         try:
-            send_frames(sock, {"key": key, "kind": kind}, context_to_proto(context).SerializeToString(),
-                        *message_blobs(msg))
             sock.settimeout(ACK_TIMEOUT)
-            header, _ = recv_frames(sock)
+            if batched and kind == "train" and (group := broadcast_group(msg)) is not None:
+                send_frames(sock, {"key": key, "kind": kind, "round": group})
+                header, _ = recv_frames(sock)  # the round's records the worker holds, or a refusal
+                if "refused" not in header:
+                    held = [name for name in header.get("have", []) if name in msg.content.array_records]
+                    send_frames(sock, {"omitted": held}, context_to_proto(context).SerializeToString(),
+                                *message_blobs(msg, held))
+                    header, _ = recv_frames(sock)
+            else:
+                send_frames(sock, {"key": key, "kind": kind}, context_to_proto(context).SerializeToString(),
+                            *message_blobs(msg))
+                header, _ = recv_frames(sock)
         except (OSError, ChannelClosed) as err:  # socket.timeout is an OSError
             if isinstance(err, TimeoutError) and not batched:  # a batching worker holds other nodes' messages
                 _kill(pid)
@@ -120,6 +131,14 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
     if reply.has_error():
         return Message(reply.error, reply_to=msg)
     return Message(content=reply.content, reply_to=msg)
+
+
+def broadcast_group(msg: Message) -> list[int] | None:
+    """[run, server round] of a training message, which names its round's broadcast to the
+    batching worker (:mod:`fedact_app.node_worker.worker`); None where its config lacks the round."""
+    config = msg.content.config_records.get("config")
+    server_round = None if config is None else config.get("server-round")
+    return None if not isinstance(server_round, int) else [msg.metadata.run_id, server_round]
 
 
 def prepare(context: Context) -> None:

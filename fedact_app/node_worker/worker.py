@@ -6,7 +6,12 @@ Each connection is served on a thread of its own with ``fedact_app.client_work.r
 same reply as a cold ClientApp, including the node's one-message-at-a-time slot
 (``fedact_app.node_slot``), which answers a second message at once while the first still runs.
 A "prepare" request (sent with the node's identity query, before round 1's training message)
-builds the run's trainer and reads the node's data, with no reply; messages wait for it. The process keeps what ``run_message`` keeps between messages
+builds the run's trainer and reads the node's data, with no reply; messages wait for it.
+Batched, the worker keeps the array records of a round's first training message (the model and
+the server's broadcast, the same for every client of the round: ``ClientBatch`` trains them all
+from the first message's), and a ClientApp that offers a message of that round
+(``{"round": [run, server-round]}``) is told which it holds and sends the message without them:
+a round's broadcast crosses the socket about once, not once per client. The process keeps what ``run_message`` keeps between messages
 (the imports, the run's composed config, the ``ClientTrainer`` with its task, data, model and
 optimizer, a CUDA context), and nothing of the client's own: ``Context.state`` comes with every
 message and goes back with its reply.
@@ -19,12 +24,14 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import OrderedDict
 import threading
 import time
 import traceback
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
+from flwr.app import ArrayRecord, Message
 from flwr.common import log
 
 from fedact_app.cli.procs import start_time
@@ -35,6 +42,7 @@ from fedact_app.node_worker.gather import Gather, Ticket
 
 WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
 READ_TIMEOUT = 120.0  # seconds a read of a ClientApp's request may wait for its next bytes
+KEPT_BROADCASTS = 2  # rounds whose first message's array records a batching worker keeps
 
 
 def round_label(group: tuple[int, int]) -> str:
@@ -57,6 +65,8 @@ class Worker:
         self.lock = threading.Lock()  # guards the counters below and the config's first composition
         self.ready = threading.Lock()  # held while a "prepare" request builds the trainer
         self.active, self.last_seen = 0, time.monotonic()
+        # batched: (run, server round) -> the array records of that round's first training message
+        self.broadcasts: OrderedDict[tuple[int, int], dict[str, ArrayRecord]] = OrderedDict()
 
     def serve(self) -> None:
         """Accept connections until ``stop``; each on a thread of its own."""
@@ -81,14 +91,23 @@ class Worker:
                 peer(conn)
                 conn.settimeout(READ_TIMEOUT)  # a stalled sender would hold a batched round's partial batch back
                 header, blobs = recv_frames(conn)
-                conn.settimeout(None)
                 if header.get("key") != self.key:
                     send_frames(conn, {"refused": f"the worker at {self.path} serves another run or node"})
                     return
                 if header.get("kind") == PREPARE:
                     self._prepare(blobs)
-                else:
-                    self._answer(conn, str(header.get("kind")), blobs, ticket)
+                    return
+                shared = {}
+                if "round" in header:  # a batched training message, offered without the records kept here
+                    held = self._broadcast(header["round"])
+                    send_frames(conn, {"have": list(held)})
+                    sent, blobs = recv_frames(conn)
+                    omitted = sent.get("omitted", [])
+                    if not isinstance(omitted, list) or not all(isinstance(k, str) and k in held for k in omitted):
+                        raise ValueError(f"records left out that this worker does not hold: {str(omitted)[:200]}")
+                    shared = {key: held[key] for key in omitted}
+                conn.settimeout(None)
+                self._answer(conn, str(header.get("kind")), blobs, ticket, shared)
         except (ChannelClosed, UnsafeChannel, OSError, ValueError) as err:
             log(WARNING, "warm worker %s: a connection ended without a reply (%s)", self.label, err)
         finally:
@@ -110,15 +129,37 @@ class Worker:
             except Exception as ex:  # noqa: BLE001
                 log(WARNING, "warm worker %s: preparing failed (%s); the messages will say why", self.label, ex)
 
-    def _answer(self, conn: socket.socket, kind: str, blobs: list[bytes], ticket: Ticket | None = None) -> None:
+    def _broadcast(self, group: object) -> dict[str, ArrayRecord]:
+        """The array records kept for ``group`` ([run, server round]; {} for none or a malformed one)."""
+        with self.lock:
+            return dict(self.broadcasts.get(tuple(group), {})) if isinstance(group, list) else {}
+
+    def _keep_broadcast(self, msg: Message) -> None:
+        """Keep the array records of the first training message of its round (``KEPT_BROADCASTS``
+        rounds at most)."""
+        try:
+            group = (msg.metadata.run_id, int(msg.content["config"]["server-round"]))
+        except (KeyError, TypeError, ValueError):  # no round: run_batched_train names what is missing
+            return
+        with self.lock:
+            if group not in self.broadcasts:
+                self.broadcasts[group] = dict(msg.content.array_records)
+                while len(self.broadcasts) > KEPT_BROADCASTS:
+                    self.broadcasts.popitem(last=False)
+
+    def _answer(self, conn: socket.socket, kind: str, blobs: list[bytes], ticket: Ticket | None = None,
+                shared: dict[str, ArrayRecord] | None = None) -> None:
         """Ack with the message's deadline, then the reply and the Context it leaves; where the
-        work raises, its exception's type and text instead, as a cold ClientApp would fail."""
+        work raises, its exception's type and text instead, as a cold ClientApp would fail.
+        ``shared``: the records the message was sent without, held here."""
         from flwr.common.serde import context_from_proto, context_to_proto
         from flwr.proto.message_pb2 import Context as ProtoContext
 
         try:
             context = context_from_proto(ProtoContext.FromString(blobs[0]))
-            msg = message_from_blobs(blobs[1:])
+            msg = message_from_blobs(blobs[1:], shared)
+            if self.batched and kind == "train":
+                self._keep_broadcast(msg)  # before the ack: the round's next offers find it
             with self.ready, self.lock:  # Hydra's composition is not thread-safe; later calls hit its cache
                 deadline = self.work.message_deadline(msg, self.work.run_round_timeout(context))
             send_frames(conn, {"ack": True, "deadline": deadline})
