@@ -26,6 +26,8 @@
 #                   after another in one process, float32 with its operation and kernel counts, then both sides
 #                   with CUDA graphs and bf16 (compile_model=reduce-overhead precision=bf16): at most 8 minutes
 #   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
+#   round-bytes     round-bf16 with the broadcast and the replies in bfloat16 (wire_dtype, reply_dtype): 0.6 of
+#                   the round's bytes; compare with round-bf16's figures (a pair: run both in one call)
 #   round-mps       round-bf16, then the same with the clients under a private CUDA MPS daemon (--mps), on
 #                   one machine (a pair to compare): at most 9 minutes
 #   units           the unit tests (not the Flower runs) with the GPU visible, and that pytest exits
@@ -88,6 +90,9 @@ for name in "${@:-optim server}"; do
         round-bf16)
             step bench-round-bf16 300 python3 scripts/bench_round.py --paper \
                 --overrides "compile_model=reduce-overhead precision=bf16" ;;
+        round-bytes)
+            step bench-round-bytes 300 python3 scripts/bench_round.py --paper \
+                --overrides "compile_model=reduce-overhead precision=bf16 wire_dtype=bfloat16 reply_dtype=bfloat16" ;;
         round-mps)
             if ! command -v nvidia-cuda-mps-control >/dev/null; then
                 echo "== round-mps: no nvidia-cuda-mps-control on PATH, nothing to compare" | tee -a "$out/summary.txt"
@@ -116,8 +121,8 @@ for name in "${@:-optim server}"; do
         deploy)
             step bench-deploy 300 python3 scripts/bench_deploy.py --overrides "$DEPLOY_OVERRIDES" --cuda-devices 0 \
                 --modes floor,floor-distinct,warm ;;
-        *) echo "unknown step $one: allowed optim optim-compiled server round round-compiled round-bf16 round-mps" \
-                "round-2-actors round-batched client-batch units deploy" >&2; exit 2 ;;
+        *) echo "unknown step $one: allowed optim optim-compiled server round round-compiled round-bf16 round-bytes" \
+                "round-mps round-2-actors round-batched client-batch units deploy" >&2; exit 2 ;;
         esac
     done
 done

@@ -291,5 +291,5 @@ def test_gpu_checks_names_files_that_exist_and_refuses_an_unknown_step(tmp_path)
     proc = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OUT": str(tmp_path)})
     assert proc.returncode == 2
-    assert ("unknown step bogus: allowed optim optim-compiled server round round-compiled round-bf16 round-mps "
-            "round-2-actors round-batched client-batch units deploy") in proc.stderr
+    assert ("unknown step bogus: allowed optim optim-compiled server round round-compiled round-bf16 round-bytes "
+            "round-mps round-2-actors round-batched client-batch units deploy") in proc.stderr
