@@ -285,7 +285,7 @@ def test_a_rounds_broadcast_crosses_to_the_worker_once_and_each_reply_is_the_cli
     messages = {p: train_message(p) for p in range(3)}
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(client_app.reply, "train", messages[0], contexts[0])
-        assert acks.wait(120)  # the worker has read the first message (and started: imports, trainer)
+        assert acks.wait(120)  # the worker (started: its imports) has read the first message and kept its records
         later = [pool.submit(client_app.reply, "train", messages[p], contexts[p]) for p in (1, 2)]
         replies = dict(zip(range(3), [first.result(), *(future.result() for future in later)]))
     messages_sent = [(header["omitted"], size) for header, size in sent if "omitted" in header]

@@ -316,7 +316,8 @@ def test_records_the_other_end_holds_cross_empty_and_come_back_from_it():
 
     msg = train_message(2)
     blobs = message_blobs(msg, omit=["model"])
-    assert len(blobs) == 1 + len(msg.content["c"]) and sum(map(len, blobs)) < 4096 + len(msg.content["c"]["float32"].data)
+    c_bytes = len(msg.content["c"]["float32"].data)
+    assert len(blobs) == 1 + len(msg.content["c"]) and sum(map(len, blobs)) < 4096 + c_bytes
     back = message_from_blobs(blobs, shared={"model": msg.content["model"]})
     assert list(back.content.keys()) == list(msg.content.keys()) and back.content["model"] is msg.content["model"]
     assert [a.data for a in back.content["c"].values()] == [a.data for a in msg.content["c"].values()]
@@ -324,3 +325,55 @@ def test_records_the_other_end_holds_cross_empty_and_come_back_from_it():
         message_from_blobs(blobs, shared={"model": msg.content["model"], "c": msg.content["c"]})
     with pytest.raises(ValueError, match=r"\['v_bar'\] were to be left out"):
         message_from_blobs(blobs, shared={"model": msg.content["model"], "v_bar": msg.content["c"]})
+    with pytest.raises(ValueError, match=r"\['config'\] to leave out are not array records of the message"):
+        message_blobs(msg, omit=["config"])
+
+
+def test_the_batching_worker_takes_an_offered_message_only_with_records_of_its_own_round(workers):
+    """The offer's checks (fedact_app.node_worker.worker): a round that is not [run, round], or
+    records left out that the worker does not hold, are refused with the reason; a message sent
+    without the records of the round it was offered for, but of another round, raises; the
+    worker keeps the latest rounds' records, the same objects as the message's."""
+    from flwr.common.serde import context_to_proto
+
+    from fedact_app.node_worker.frames import message_blobs
+    from fedact_app.node_worker.worker import KEPT_BROADCASTS, Worker
+
+    workers.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = workers / "w.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    worker = Worker(listener, path, "k", "test", (os.getpid(), 0), 60.0, batched=True)
+
+    def exchange(*frame_sets):
+        """Serve one connection that sends ``frame_sets`` in turn: what the worker answered."""
+        ours, theirs = socket.socketpair()
+        serving = threading.Thread(target=worker._serve_one, args=(theirs, None))
+        serving.start()
+        answers = []
+        with ours:
+            for header, *blobs in frame_sets:
+                channel.send_frames(ours, header, *blobs)
+                answers.append(channel.recv_frames(ours)[0])
+                if "have" not in answers[-1]:
+                    break
+        serving.join(10)
+        return answers
+
+    assert exchange(({"key": "k", "kind": "train", "round": [5, [2]]},))[0]["refused"].endswith(
+        "not [run, server-round]")
+    second, third = train_message(2), train_message(3)
+    worker._keep_broadcast(second)
+    assert worker.broadcasts[(5, 2)]["model"] is second.content["model"]
+    context_blob = context_to_proto(context()).SerializeToString()
+    answers = exchange(({"key": "k", "kind": "train", "round": [5, 3]},),
+                       ({"omitted": ["model"]}, context_blob, *message_blobs(third, ["model"])))
+    assert answers[0] == {"have": []} and "does not hold: ['model']" in answers[1]["refused"]
+    answers = exchange(({"key": "k", "kind": "train", "round": [5, 2]},),
+                       ({"omitted": ["model"]}, context_blob, *message_blobs(third, ["model"])))
+    assert sorted(answers[0]["have"]) == ["c", "model"]
+    assert answers[1]["raised"] == "ValueError: a message of round (5, 3) was offered for round (5, 2)"
+    for server_round in (3, 4, 1):  # a straggler of an older round does not push a newer one out
+        worker._keep_broadcast(train_message(server_round))
+    assert sorted(worker.broadcasts) == [(5, 4 - n) for n in reversed(range(KEPT_BROADCASTS))]
+    listener.close()

@@ -35,7 +35,7 @@ from fedact_app.cli.resources import machine_cpus
 from fedact_app.node_config import WARM_WORKER_KEY, switch, worker_idle_timeout
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, check_socket, peer,
                                             private_dir, recv_frames, send_frames, socket_path, worker_key)
-from fedact_app.node_worker.frames import message_blobs, message_from_blobs
+from fedact_app.node_worker.frames import broadcast_group, message_blobs, message_from_blobs
 
 WARM_WORKER_ENV = "FEDACT_WARM_WORKER"  # 0/false/off: every message cold, whatever the node config says
 CLIENTAPP_PROGRAM = "flwr-clientapp"  # the process Flower starts for each message in a deployment
@@ -87,13 +87,16 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
         try:
             sock.settimeout(ACK_TIMEOUT)
             if batched and kind == "train" and (group := broadcast_group(msg)) is not None:
-                send_frames(sock, {"key": key, "kind": kind, "round": group})
+                send_frames(sock, {"key": key, "kind": kind, "round": list(group)})
                 header, _ = recv_frames(sock)  # the round's records the worker holds, or a refusal
-                if "refused" not in header:
-                    held = [name for name in header.get("have", []) if name in msg.content.array_records]
+                if isinstance(header.get("have"), list):
+                    held = [name for name in header["have"] if isinstance(name, str)
+                            and name in msg.content.array_records]
                     send_frames(sock, {"omitted": held}, context_to_proto(context).SerializeToString(),
                                 *message_blobs(msg, held))
                     header, _ = recv_frames(sock)
+                elif "refused" not in header:
+                    header = {"refused": f"the batching worker answered the offer with {str(header)[:200]}"}
             else:
                 send_frames(sock, {"key": key, "kind": kind}, context_to_proto(context).SerializeToString(),
                             *message_blobs(msg))
@@ -131,14 +134,6 @@ def forward(kind: str, msg: Message, context: Context, batched: bool = False) ->
     if reply.has_error():
         return Message(reply.error, reply_to=msg)
     return Message(content=reply.content, reply_to=msg)
-
-
-def broadcast_group(msg: Message) -> list[int] | None:
-    """[run, server round] of a training message, which names its round's broadcast to the
-    batching worker (:mod:`fedact_app.node_worker.worker`); None where its config lacks the round."""
-    config = msg.content.config_records.get("config")
-    server_round = None if config is None else config.get("server-round")
-    return None if not isinstance(server_round, int) else [msg.metadata.run_id, server_round]
 
 
 def prepare(context: Context) -> None:

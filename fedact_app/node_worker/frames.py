@@ -20,11 +20,24 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
 
 
+def broadcast_group(msg: Message) -> tuple[int, int] | None:
+    """(run, server round) of a training message: the round whose broadcast it carries (the
+    batching worker keeps one per round); None where its config lacks the round."""
+    config = msg.content.config_records.get("config") if msg.has_content() else None
+    server_round = None if config is None else config.get("server-round")
+    return None if type(server_round) is not int else (msg.metadata.run_id, server_round)
+
+
 def message_blobs(msg: Message, omit: Collection[str] = ()) -> list[bytes]:
     """``[the message's protobuf with every array empty, each array's bytes in record order]``;
-    the array records named in ``omit`` go as empty records, without blobs."""
+    the array records named in ``omit`` go as empty records, without blobs (ValueError for a name
+    that is not one of its array records)."""
     if not msg.has_content():
+        if omit:
+            raise ValueError(f"records {sorted(omit)} to leave out of a message without content")
         return [message_to_proto(msg).SerializeToString()]
+    if not_arrays := [key for key in omit if key not in msg.content.array_records]:
+        raise ValueError(f"records {sorted(not_arrays)} to leave out are not array records of the message")
     data = [array.data for key, record in msg.content.array_records.items() if key not in omit
             for array in record.values()]
     stripped = _with_array_data(msg, itertools.repeat(b""), {key: ArrayRecord() for key in omit})

@@ -7,14 +7,15 @@ same reply as a cold ClientApp, including the node's one-message-at-a-time slot
 (``fedact_app.node_slot``), which answers a second message at once while the first still runs.
 A "prepare" request (sent with the node's identity query, before round 1's training message)
 builds the run's trainer and reads the node's data, with no reply; messages wait for it.
-Batched, the worker keeps the array records of a round's first training message (the model and
-the server's broadcast, the same for every client of the round: ``ClientBatch`` trains them all
-from the first message's), and a ClientApp that offers a message of that round
-(``{"round": [run, server-round]}``) is told which it holds and sends the message without them:
-a round's broadcast crosses the socket about once, not once per client. The process keeps what ``run_message`` keeps between messages
-(the imports, the run's composed config, the ``ClientTrainer`` with its task, data, model and
-optimizer, a CUDA context), and nothing of the client's own: ``Context.state`` comes with every
-message and goes back with its reply.
+Batched, the worker keeps the array records of the first training message it reads of a round
+(the model and the server's broadcast, the same for every client of the round: ``ClientBatch``
+trains them all from the first message's), for the ``KEPT_BROADCASTS`` latest rounds. A
+ClientApp offers its message (``{"round": [run, server-round]}``), is told which records the
+worker holds, and sends the message without them: once the first has been read, the round's
+later messages come without the broadcast. The process keeps what ``run_message`` keeps between
+messages (the imports, the run's composed config, the ``ClientTrainer`` with its task, data,
+model and optimizer, a CUDA context), and nothing of the client's own: ``Context.state`` comes
+with every message and goes back with its reply.
 
 It ends, removing its socket, when the process it watches (its SuperNode) is gone, after
 ``--idle`` seconds without a message, or on SIGTERM.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections import OrderedDict
 import threading
 import time
 import traceback
@@ -37,15 +37,16 @@ from flwr.common import log
 from fedact_app.cli.procs import start_time
 from fedact_app.node_worker.channel import (PREPARE, ChannelClosed, UnsafeChannel, info_path, peer, recv_frames,
                                             send_frames)
-from fedact_app.node_worker.frames import message_blobs, message_from_blobs
+from fedact_app.node_worker.frames import broadcast_group, message_blobs, message_from_blobs
 from fedact_app.node_worker.gather import Gather, Ticket
 
 WATCH_EVERY = 0.5  # seconds between checks of the SuperNode and of the idle time
 READ_TIMEOUT = 120.0  # seconds a read of a ClientApp's request may wait for its next bytes
 KEPT_BROADCASTS = 2  # rounds whose first message's array records a batching worker keeps
+Group = tuple[int, int]  # (run, server round): a round's training messages, which share its broadcast
 
 
-def round_label(group: tuple[int, int]) -> str:
+def round_label(group: Group) -> str:
     """How a batch's log line names its group, a (run, server round): ``run 7 round 3``."""
     return f"run {group[0]} round {group[1]}"
 
@@ -65,8 +66,8 @@ class Worker:
         self.lock = threading.Lock()  # guards the counters below and the config's first composition
         self.ready = threading.Lock()  # held while a "prepare" request builds the trainer
         self.active, self.last_seen = 0, time.monotonic()
-        # batched: (run, server round) -> the array records of that round's first training message
-        self.broadcasts: OrderedDict[tuple[int, int], dict[str, ArrayRecord]] = OrderedDict()
+        # batched: (run, server round) -> the array records of that round's first training message read
+        self.broadcasts: dict[Group, dict[str, ArrayRecord]] = {}
 
     def serve(self) -> None:
         """Accept connections until ``stop``; each on a thread of its own."""
@@ -97,17 +98,13 @@ class Worker:
                 if header.get("kind") == PREPARE:
                     self._prepare(blobs)
                     return
-                shared = {}
+                offered, shared = None, {}
                 if "round" in header:  # a batched training message, offered without the records kept here
-                    held = self._broadcast(header["round"])
-                    send_frames(conn, {"have": list(held)})
-                    sent, blobs = recv_frames(conn)
-                    omitted = sent.get("omitted", [])
-                    if not isinstance(omitted, list) or not all(isinstance(k, str) and k in held for k in omitted):
-                        raise ValueError(f"records left out that this worker does not hold: {str(omitted)[:200]}")
-                    shared = {key: held[key] for key in omitted}
+                    offered, blobs, shared = self._offered(conn, header["round"])
+                    if offered is None:
+                        return
                 conn.settimeout(None)
-                self._answer(conn, str(header.get("kind")), blobs, ticket, shared)
+                self._answer(conn, str(header.get("kind")), blobs, ticket, shared, offered)
         except (ChannelClosed, UnsafeChannel, OSError, ValueError) as err:
             log(WARNING, "warm worker %s: a connection ended without a reply (%s)", self.label, err)
         finally:
@@ -129,35 +126,50 @@ class Worker:
             except Exception as ex:  # noqa: BLE001
                 log(WARNING, "warm worker %s: preparing failed (%s); the messages will say why", self.label, ex)
 
-    def _broadcast(self, group: object) -> dict[str, ArrayRecord]:
-        """The array records kept for ``group`` ([run, server round]; {} for none or a malformed one)."""
+    def _offered(self, conn: socket.socket, group: object) -> tuple[Group | None, list[bytes], dict[str, ArrayRecord]]:
+        """Answer a message's offer (its ``group``, [run, server round]) with the records held for
+        that round, then read the message: (the round, its blobs, the records it left out). Where
+        the offer or the records left out are not ones this worker can take, the ClientApp is told
+        why and the round is None."""
+        if not (isinstance(group, list) and len(group) == 2 and all(type(n) is int for n in group)):
+            send_frames(conn, {"refused": f"a message offered for round {str(group)[:80]}: not [run, server-round]"})
+            return None, [], {}
+        offered = (group[0], group[1])
         with self.lock:
-            return dict(self.broadcasts.get(tuple(group), {})) if isinstance(group, list) else {}
+            held = dict(self.broadcasts.get(offered, {}))  # this connection's own: eviction cannot take it
+        send_frames(conn, {"have": list(held)})
+        sent, blobs = recv_frames(conn)
+        omitted = sent.get("omitted", [])
+        if not isinstance(omitted, list) or not all(isinstance(key, str) and key in held for key in omitted):
+            send_frames(conn, {"refused": f"records left out that this worker does not hold: {str(omitted)[:200]}"})
+            return None, [], {}
+        return offered, blobs, {key: held[key] for key in omitted}
 
     def _keep_broadcast(self, msg: Message) -> None:
-        """Keep the array records of the first training message of its round (``KEPT_BROADCASTS``
-        rounds at most)."""
-        try:
-            group = (msg.metadata.run_id, int(msg.content["config"]["server-round"]))
-        except (KeyError, TypeError, ValueError):  # no round: run_batched_train names what is missing
+        """Keep the array records of the first training message read of its round, for the
+        ``KEPT_BROADCASTS`` latest rounds."""
+        if (group := broadcast_group(msg)) is None:  # run_batched_train names what is missing
             return
         with self.lock:
             if group not in self.broadcasts:
                 self.broadcasts[group] = dict(msg.content.array_records)
-                while len(self.broadcasts) > KEPT_BROADCASTS:
-                    self.broadcasts.popitem(last=False)
+                for oldest in sorted(self.broadcasts)[:-KEPT_BROADCASTS]:
+                    del self.broadcasts[oldest]
 
     def _answer(self, conn: socket.socket, kind: str, blobs: list[bytes], ticket: Ticket | None = None,
-                shared: dict[str, ArrayRecord] | None = None) -> None:
+                shared: dict[str, ArrayRecord] | None = None, offered: Group | None = None) -> None:
         """Ack with the message's deadline, then the reply and the Context it leaves; where the
         work raises, its exception's type and text instead, as a cold ClientApp would fail.
-        ``shared``: the records the message was sent without, held here."""
+        ``shared``: the records the message was sent without, held here for the round it was
+        offered for (``offered``), which must be its own."""
         from flwr.common.serde import context_from_proto, context_to_proto
         from flwr.proto.message_pb2 import Context as ProtoContext
 
         try:
             context = context_from_proto(ProtoContext.FromString(blobs[0]))
             msg = message_from_blobs(blobs[1:], shared)
+            if shared and broadcast_group(msg) != offered:
+                raise ValueError(f"a message of round {broadcast_group(msg)} was offered for round {offered}")
             if self.batched and kind == "train":
                 self._keep_broadcast(msg)  # before the ack: the round's next offers find it
             with self.ready, self.lock:  # Hydra's composition is not thread-safe; later calls hit its cache
