@@ -10,6 +10,9 @@ socket never listens on a network.
 
 A frame set is a JSON header and binary blobs (a ``Context`` as Flower's protobuf, then a
 ``Message`` as :mod:`fedact_app.node_worker.frames` makes it), each behind its 8-byte length.
+The ClientApp sends one; the worker answers with an ack (the message's deadline), then the reply.
+A batched training message is offered first, by a header alone (its round), and sent after the
+worker's answer (the records it holds of that round: :mod:`fedact_app.node_worker.worker`).
 """
 
 from __future__ import annotations
