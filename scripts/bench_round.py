@@ -109,7 +109,8 @@ def flower_rounds(overrides: str, args: argparse.Namespace, output_dir: Path) ->
     (Unix time at the end of each row's round), ``round0_seconds`` (the initial evaluation's,
     None where the row does not say) and ``batches`` ((round, text) of each batch the batching
     worker logged, ``BATCH_LINE``: a ``client_batch`` run's)."""
-    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    # RAY_DEDUP_LOGS=0: Ray folds lines of one pattern (numbers aside) from several processes into one
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
     begun = time.time()
     result = run_simulation(APP_DIR, overrides=overrides, num_supernodes=args.clients,
                             num_cpus_per_client=args.num_cpus, num_gpus_per_client=args.num_gpus,
