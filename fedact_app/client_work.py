@@ -24,6 +24,7 @@ from fedact_app.client_trainer import ClientTrainer, RoundResult, trainer_for
 from fedact_app.config import Config, compose
 from fedact_app.finite import describe_names, non_finite
 from fedact_app.node_config import DATA_PATH_KEY
+from fedact_app.node_worker.frames import broadcast_group
 from fedact_app.node_worker.gather import ROUND_CLIENTS_KEY, Gather, Ticket
 from fedact_app.node_slot import node_slot
 from fedact_app.registry import FILE_DATASETS
@@ -315,8 +316,10 @@ def run_batched_train(msg: Message, context: Context, gather: Gather, ticket: Ti
         raise ValueError(f"A training message of a client_batch=true run lacks {ROUND_CLIENTS_KEY!r} in its "
                          "config (the number of the round's training messages, which this app's ServerApp "
                          f"sends); config keys seen: {sorted(config)}")
+    if (group := broadcast_group(msg)) is None:
+        raise ValueError(f"A training message of a client_batch=true run lacks an integer 'server-round' in its "
+                         f"config; config keys seen: {sorted(config)}")
     cfg = run_config(context)
-    group = (msg.metadata.run_id, int(config["server-round"]))
     deadline = message_deadline(msg, cfg.round_timeout)
     return handle(msg, context, lambda msg, context: gather.submit(
         group, int(config[ROUND_CLIENTS_KEY]), cfg.client_batch_wait, (msg.content, context, deadline), ticket))

@@ -33,7 +33,7 @@ from fedact_app.optim.topk import host_map
 from fedact_app.packing import VectorPool, as_vector, consecutive, views
 from fedact_app.registry import MAX_MOMENT_RATIO, MAX_UPDATE_RATIO, REPLY_DTYPES
 from fedact_app.sampling import ClientKey
-from fedact_app.wire import Entry, packed_entries
+from fedact_app.wire import BFLOAT16_BITS, Entry, packed_entries, widen_bfloat16
 
 
 class ReplyError(ValueError):
@@ -193,7 +193,7 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
         numel = sum(expected[n].numel() for n in packed)
         vector = pool.take(numel, dtype) if pool is not None else torch.empty(numel, dtype=dtype)
         _copy_runs(vector.numpy(), [entries[n] for n in packed], values[BFLOAT16_BITS if bits else _numpy_name(dtype)],
-                   _widen_bfloat16 if bits else np.copyto)
+                   widen_bfloat16 if bits else np.copyto)
         tensors = views(vector.to(device), packed, [expected[n].shape for n in packed])
     single, in_vector = {}, set(packed)
     for name in order:
@@ -219,20 +219,10 @@ def read_arrays(key: str, record: ArrayRecord, expected: TensorDict, first: Sequ
     return tensors, norm
 
 
-BFLOAT16_BITS = "int16"  # how a packed record holds bfloat16 values (NumPy has no bfloat16): fedact_app.wire
-
-
-def _widen_bfloat16(target: np.ndarray, source: np.ndarray) -> None:
-    """float32 ``target`` <- the bfloat16 values whose bits ``source`` (int16) holds: a bfloat16 is
-    the upper half of the float32 of the same value, so each is its bits shifted up by 16 (exact,
-    NaN and infinities included)."""
-    np.left_shift(source.view(np.uint16), 16, out=target.view(np.uint32), dtype=np.uint32)
-
-
 def _copy_runs(target: np.ndarray, entries: Sequence[Entry], source: np.ndarray,
                copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto) -> None:
     """Copy the entries' values, all in ``source`` (the record's array of their dtype), one after
-    the other into ``target`` (``copy(target_part, source_part)``, e.g. :func:`_widen_bfloat16`):
+    the other into ``target`` (``copy(target_part, source_part)``, e.g. ``fedact_app.wire.widen_bfloat16``):
     one copy for each run of entries that lie one after the other in ``source`` too."""
     runs: list[list[int]] = []  # [start, end] in source
     for entry in entries:

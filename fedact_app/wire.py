@@ -39,6 +39,9 @@ from torch import Tensor
 TensorDict = dict[str, Tensor]
 
 
+BFLOAT16_BITS = "int16"  # NumPy's name of the dtype that holds bfloat16's bits in a packed record
+
+
 def to_wire(tensors: TensorDict, wire_dtype: str) -> TensorDict:
     """Floating tensors in ``wire_dtype`` (bfloat16 as its int16 bit pattern)."""
     if wire_dtype == "float32":
@@ -59,6 +62,14 @@ def from_wire(tensors: TensorDict, wire_dtype: str) -> TensorDict:
         return {name: t.view(torch.bfloat16).float() if t.dtype == torch.int16 else t
                 for name, t in tensors.items()}
     return {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
+
+
+def widen_bfloat16(target: np.ndarray, source: np.ndarray) -> None:
+    """float32 ``target`` <- the bfloat16 values whose bits ``source`` (int16) holds, as
+    :func:`from_wire` reads them but in one pass into a given array: a bfloat16 is the upper half
+    of the float32 of the same value, so each is its bits shifted up by 16 (exact, NaN and
+    infinities included)."""
+    np.left_shift(source.view(np.uint16), 16, out=target.view(np.uint32), dtype=np.uint32)
 
 
 NPY_MAGIC = b"\x93NUMPY"

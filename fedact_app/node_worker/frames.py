@@ -21,8 +21,9 @@ from flwr.proto.message_pb2 import Message as ProtoMessage
 
 
 def broadcast_group(msg: Message) -> tuple[int, int] | None:
-    """(run, server round) of a training message: the round whose broadcast it carries (the
-    batching worker keeps one per round); None where its config lacks the round."""
+    """(run, server round) of a training message: the round whose broadcast it carries, and whose
+    messages the batching worker trains together (``node_worker.gather``'s group; the worker keeps
+    one broadcast per round); None where its config lacks the round."""
     config = msg.content.config_records.get("config") if msg.has_content() else None
     server_round = None if config is None else config.get("server-round")
     return None if type(server_round) is not int else (msg.metadata.run_id, server_round)
