@@ -188,6 +188,65 @@ def test_matches_reference(trust_scope, trust_signal, path):
                            **PATHS[path]}, rounds_kwargs=dict(global_steps=[0, 7]))
 
 
+def random_settings(rng):
+    """One draw of everything the step depends on: hyperparameters (tau with floor(tau d) = 0,
+    alpha = gamma and gamma = 0 among them), scope, signal, scale matching, the implementation,
+    tensor shapes (sizes of 1 included), rounds with and without the server's arrays, gradients
+    with exact zeros or on a coarse grid (ties in the scores), and parameters that never get a
+    gradient."""
+    kw = dict(lr=rng.choice([1e-3, 1e-2, 0.1]), weight_decay=rng.choice([0.0, 0.01, 0.1]),
+              betas=(rng.choice([0.0, 0.5, 0.9]), rng.choice([0.9, 0.99, 0.999])),
+              eps=rng.choice([1e-8, 1e-6, 1e-3]), rho=rng.choice([0.0, 0.3, 0.5, 1.0]),
+              tau=rng.choice([1.0, 0.999, 0.5, 0.001, rng.uniform(0.01, 1.0)]),
+              trust_scope=rng.choice(["global", "tensor"]),
+              trust_signal=rng.choice(["corrected", "local", "none"]), scale_matched=rng.random() < 0.3,
+              **PATHS[rng.choice(list(PATHS))])
+    if rng.random() < 0.5:
+        low = rng.uniform(0.1, 2.0) if kw["scale_matched"] else rng.choice([0.0, 1.0, rng.uniform(0.0, 2.0)])
+        kw["gamma"], kw["alpha"] = low, max(low, rng.choice([1.0, 2.0, rng.uniform(0.1, 5.0)]))
+    shapes = [tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 6))]
+    steps = dict(n_rounds=rng.randint(1, 3), steps=rng.randint(1, 4), warm=rng.random() < 0.7,
+                 zero_frac=rng.choice([0.0, 0.0, 0.3, 0.7, 0.95]))
+    steps["global_steps"] = [rng.randint(0, 50) for _ in range(steps["n_rounds"])]
+    coarse = rng.random() < 0.3
+    without_grad = {i for i in range(1, len(shapes)) if rng.random() < 0.15}
+    return kw, shapes, steps, coarse, without_grad
+
+
+@pytest.mark.parametrize("selector", ["numpy", "radix", "bracket", "bracket-misses"])
+def test_random_settings_match_reference(selector, monkeypatch):
+    """400 random draws of the settings (:func:`random_settings`), every step against the
+    reference: combinations the tests above do not name. Each selection the host or the device
+    runs: numpy's, the radix select (numpy hidden), and the host's bracket in chunks on threads,
+    also when it misses the threshold."""
+    import random
+
+    if selector == "radix":
+        monkeypatch.setattr(topk, "np", None)
+    elif selector.startswith("bracket"):
+        monkeypatch.setattr(topk, "_BRACKET_MIN", 16)
+        monkeypatch.setattr(topk, "_HOST_CHUNK", 7)
+        monkeypatch.setattr(topk, "_BRACKET_Z", 0.0 if selector == "bracket-misses" else 2.5)
+    for draw in range(100):
+        rng = random.Random(f"{selector}-{draw}")
+        kw, shapes, steps, coarse, without_grad = random_settings(rng)
+        params = make_params(shapes, seed=draw)
+        ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
+        opt = FedACTAdamW(params, **kw)
+        for v_bar, delta_g, gs, grads in make_rounds(params, seed=draw + 1, **steps):
+            opt.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
+            ref.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
+            for step_grads in grads:
+                step_grads = [None if i in without_grad else torch.round(g * 2) / 2 if coarse else g
+                              for i, g in enumerate(step_grads)]
+                for p, g in zip(params, step_grads):
+                    p.grad = None if g is None else g.clone()
+                opt.step()
+                ref.step(step_grads)
+                for p, x in zip(params, ref.x):
+                    assert torch.allclose(p.detach().reshape(-1), x, rtol=1e-12, atol=1e-12), (draw, kw, shapes)
+
+
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])
 def test_matches_reference_float32(trust_scope):
     run_against_reference({**BASE, "trust_scope": trust_scope}, dtype=torch.float32,
