@@ -1,15 +1,20 @@
 """A reply's records decoded and checked, on real Flower record types (fedact_app.replies)."""
 
+import io
+import json
+import math
+import random
 import threading
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import MetricRecord, RecordDict
+from flwr.app import Array, MetricRecord, RecordDict
 
 import fedact_app.optim.topk as topk
 from fedact_app.packing import VectorPool
 from fedact_app.replies import ReplyError, decode_update, decode_updates, record_bytes
-from fedact_app.wire import packed_record
+from fedact_app.wire import packed_record, to_wire
 
 STATE = {"w": torch.zeros(2, 3), "bn.running_mean": torch.zeros(3), "bn.n": torch.tensor(0)}
 TRAINABLE = ["w"]
@@ -95,3 +100,117 @@ def test_replies_decoded_on_threads_come_back_in_order_each_as_decoded_alone(mon
     vectors = [u.delta["w"].data_ptr() for u in updates if not isinstance(u, ReplyError)]
     vectors += [u.arrays["v"]["w"].data_ptr() for u in updates if not isinstance(u, ReplyError)]
     assert len(set(vectors)) == len(vectors) and not pool._free.get((6, torch.float32))  # each reused once
+
+
+def mutated_array(rng, array: Array) -> Array:
+    """``array`` with one thing changed: a bit, its length, its dtype, shape or serialization
+    type, a value made NaN, infinite or negative, or its bytes replaced by a bare .npy prefix."""
+    data, dtype, shape, stype = bytearray(array.data), array.dtype, list(array.shape), array.stype
+    change = rng.randrange(8)
+    if change == 0:
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif change == 1:
+        data = data[:rng.randrange(len(data))]
+    elif change == 2:
+        data += bytes(rng.randrange(1, 9))
+    elif change == 3:
+        dtype = rng.choice(["float64", "float16", "int16", "int64", "uint8", "object", ">f4", "bogus", "V8", "bool"])
+    elif change == 4:
+        shape = [rng.choice([-1, 0, 1, 3, 10**12])] * rng.randint(0, 2)
+    elif change == 5:
+        stype = rng.choice(["torch", ""])
+    elif change == 6 and len(data) >= 16:
+        end = len(data) - 4 * rng.randint(0, 2)
+        data[end - 4:end] = np.float32(rng.choice([np.nan, np.inf, -1.0, 1e38])).tobytes()
+    else:
+        data = bytearray(b"\x93NUMPY\x01\x00" + bytes(rng.randrange(40)))
+    return Array(dtype=dtype, shape=tuple(shape), stype=stype, data=bytes(data))
+
+
+def mutated_layout(rng, record) -> None:
+    """The record's layout with one entry renamed, reshaped or given another dtype, or the entries
+    reordered, one repeated or dropped, or the layout replaced by JSON of another form."""
+    layout = json.loads(np.load(io.BytesIO(record["layout"].data)).tobytes())
+    if not (isinstance(layout, list) and layout and all(isinstance(e, list) and len(e) == 3 for e in layout)):
+        return  # an earlier change gave it another form
+    entry = rng.choice(layout)
+    change = rng.randrange(7)
+    if change == 0:
+        entry[0] = rng.choice(["w", "bn.n", "x", ""])
+    elif change == 1:
+        entry[2] = rng.choice([[3, 2], [6], [], [2, 3, 1], [-1], [1e3], ["2"], None])
+    elif change == 2:
+        entry[1] = rng.choice(["float64", "int64", "layout", "int16"])
+    elif change == 3:
+        rng.shuffle(layout)
+    elif change == 4:
+        layout.append(list(entry))
+    elif change == 5:
+        layout.remove(entry)
+    else:
+        layout = rng.choice([{}, None, 3, [[1, 2, 3]], [["w", "float32"]]])
+    record["layout"] = Array(np.frombuffer(json.dumps(layout).encode(), np.uint8))  # Flower's own .npy bytes
+
+
+def mutated_reply(rng, reply_dtype: str) -> RecordDict | None:
+    """A valid reply (its floating arrays in ``reply_dtype``) with one to three things changed: an
+    array of a record, a record's layout, an array dropped or added, a metric (None where Flower's
+    ``MetricRecord`` itself refuses the value)."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    records = {"delta": packed_record(to_wire({k: torch.randn(t.shape, generator=gen) if t.is_floating_point()
+                                               else t + 1 for k, t in STATE.items()}, reply_dtype)),
+               "v": packed_record(to_wire({"w": torch.rand(2, 3, generator=gen)}, reply_dtype))}
+    metrics = {"num-examples": 64, "num-steps": 2, "lr-sum": 0.002, "train-loss": 1.5}
+    for _ in range(rng.randint(1, 3)):
+        record = records[rng.choice(["delta", "v"])]
+        target = rng.choice(["array", "layout", "entries", "metric"])
+        if target == "metric":
+            metrics[rng.choice([*metrics, "train-seconds", "work-start", "trust-overlap"])] = rng.choice(
+                [0, -1, 2**62, math.nan, math.inf, -0.0, 0.5, 3])
+        elif not list(record):
+            continue
+        elif target == "array":
+            key = rng.choice(list(record))
+            record[key] = mutated_array(rng, record[key])
+        elif target == "layout" and "layout" in record:
+            try:
+                mutated_layout(rng, record)
+            except Exception:  # an earlier change made it unreadable to np.load
+                pass
+        elif target == "entries":
+            key = rng.choice(list(record))
+            if rng.random() < 0.5:
+                del record[key]
+            else:
+                record[rng.choice(["float64", "int64", "extra"])] = record[key]
+    try:
+        return RecordDict({**records, "metrics": MetricRecord(metrics)})
+    except (TypeError, ValueError):
+        return None
+
+
+@pytest.mark.parametrize("reply_dtype", ["float32", "bfloat16"])
+def test_a_mutated_reply_is_refused_or_decodes_to_a_sound_update(reply_dtype):
+    """2,000 replies with random changes to their bytes, dtypes, shapes, layouts, entries and
+    metrics: each one is refused with a ReplyError, or decodes to what the round can aggregate
+    (the state's names, shapes and dtypes, finite values, v >= 0, counts >= 1, a finite lr-sum
+    > 0). No other exception, and both outcomes occur."""
+    rng = random.Random(reply_dtype)
+    outcomes = {"refused": 0, "accepted": 0}
+    for _ in range(2000):
+        content = mutated_reply(rng, reply_dtype)
+        if content is None:
+            continue
+        try:
+            update = decode_update(content, STATE, ("v",), TRAINABLE, ("v",), reply_dtype=reply_dtype)
+        except ReplyError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["accepted"] += 1
+        for name, want in STATE.items():
+            got = update.delta[name]
+            assert (got.shape, got.dtype) == (want.shape, want.dtype) and torch.isfinite(got.float()).all()
+        v = update.arrays["v"]["w"]
+        assert v.shape == (2, 3) and torch.isfinite(v).all() and (v >= 0).all()
+        assert update.num_steps >= 1 and update.num_examples >= 1 and 0 < update.lr_sum < math.inf
+    assert outcomes["refused"] > 1000 and outcomes["accepted"] > 100, outcomes
