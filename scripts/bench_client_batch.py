@@ -24,6 +24,11 @@ by more than 1e-3 of it. They differ by the rounding of batched products, and wh
 rounding decides a top-k (scores equal in exact arithmetic, such as the key bias's 0 gradients)
 by a factor α/γ on those coordinates.
 
+It then times the batched optimizer's step alone (``ClientBatch.optimizer.step()`` on the
+gradients the last step left, between two synchronizations of the device, median of
+``OPTIMIZER_REPEATS``) and prints it beside the batched step: what is left of the step is the
+clients' forward and backward, their batches and the accumulation into the gradients.
+
 ``--profile`` counts the PyTorch operations of a step (``aten::`` events of ``torch.profiler``,
 nested ones and views included; a round of K = 3 less one of K = 1, halved) and on CUDA its
 kernels and copies as the profiler lists them (``bench_optimizer.own_time_events``), for the
@@ -64,6 +69,7 @@ SMALL_OVERRIDES = ("dataset=synthetic dataset.num_classes=100 dataset.image_size
                    "dataset.num_test=100 model=vit_tiny batch_size=8")
 SMALL = dict(clients=4, local_steps=5, rounds=4)
 PAPER = dict(clients=10, local_steps=50, rounds=6)  # with bench_round.py's PAPER_OVERRIDES: the seed's round
+OPTIMIZER_REPEATS = 20
 
 
 class Clients:
@@ -125,6 +131,20 @@ def timed(fn, clients: Clients, *args) -> tuple[float, list[ClientUpdate], int]:
     clients.synchronize()
     seconds = time.perf_counter() - started
     return seconds, updates, torch.cuda.max_memory_allocated(clients.device) - allocated if cuda else 0
+
+
+def optimizer_step_seconds(clients: Clients, repeats: int = OPTIMIZER_REPEATS) -> float:
+    """Median seconds of the batched optimizer's step alone, each between two synchronizations of
+    the device, on the gradients the last step left (it moves the batch's parameters: run it
+    after the rounds)."""
+    seconds = []
+    for _ in range(repeats):
+        clients.synchronize()
+        started = time.perf_counter()
+        clients.batched.optimizer.step()
+        clients.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
 
 
 def difference(batched: list[ClientUpdate], loop: list[ClientUpdate]) -> tuple[float, float]:
@@ -216,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(values)
         print(f"  {label:<32}{median:8.3f}  [{min(values):.3f}-{max(values):.3f}]  {1e3 * median / steps:8.2f}")
     print(f"  loop / batched: {loop / batched:.2f}x")
+    step_ms, optimizer_ms = 1e3 * batched / steps, 1e3 * optimizer_step_seconds(clients)
+    print(f"of a batched step: the optimizer's step alone {optimizer_ms:.2f} ms (median of {OPTIMIZER_REPEATS}), "
+          f"the rest (forward, backward, batches) {step_ms - optimizer_ms:.2f} ms")
     if clients.device.type == "cuda":
         print(f"peak GPU memory a round above its start (torch's allocator), MiB: loop {peaks['loop'] / 2**20:,.0f} / "
               f"batched {peaks['batched'] / 2**20:,.0f}")

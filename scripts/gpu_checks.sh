@@ -24,7 +24,8 @@
 #                   one process (ClientBatch); first ClientBatch's float32 CUDA test at ViT-Tiny's shapes: at most 6 minutes
 #   client-batch    bench_client_batch.py --paper: the seed's round's clients trained at once (vmap) against one
 #                   after another in one process, float32 with its operation and kernel counts, then both sides
-#                   with CUDA graphs and bf16 (compile_model=reduce-overhead precision=bf16): at most 8 minutes
+#                   with CUDA graphs and bf16 (compile_model=reduce-overhead precision=bf16), each with the batched
+#                   step's optimizer alone: at most 8 minutes
 #   round-bf16      the seed's round with CUDA graphs and bf16 autocast (tensor cores): the fastest settings
 #   round-bytes     round-bf16 with the broadcast and the replies in bfloat16 (wire_dtype, reply_dtype): 0.6 of
 #                   the round's bytes; compare with round-bf16's figures (a pair: run both in one call)
