@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import shlex
+import threading
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -445,6 +446,11 @@ class Config:
 ConfigStore.instance().store(name="schema", node=Config)
 
 
+# Hydra keeps the composing config folder in one process-wide object (GlobalHydra), which a second
+# thread composing at the same time finds taken ("GlobalHydra is already initialized").
+_HYDRA_LOCK = threading.Lock()
+
+
 def compose(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR) -> Config:
     """Compose ``conf/config.yaml`` with Hydra overrides and return the validated ``Config``.
 
@@ -452,11 +458,17 @@ def compose(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR) -> Confi
     (the Flower run config's ``overrides`` value), e.g. ``"dataset=cifar100 partition.alpha=0.1"``.
     ``conf_dir``: another app folder's ``conf/`` (the launcher checks the app it submits).
     """
+    return to_config(compose_unchecked(overrides, conf_dir))
+
+
+def compose_unchecked(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR) -> DictConfig:
+    """The Hydra composition of :func:`compose`, before :func:`to_config` checks it: Hydra's own
+    errors (an unknown group option, a value of the wrong type) raise here, the schema's ranges
+    do not. Threads may compose at the same time (one at a time inside)."""
     if isinstance(overrides, str):
         overrides = shlex.split(overrides)
-    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    return to_config(cfg)
+    with _HYDRA_LOCK, initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def to_config(cfg: Any) -> Config:

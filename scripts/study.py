@@ -47,7 +47,7 @@ import yaml  # noqa: E402
 import plot  # noqa: E402  (scripts/plot.py)
 import sweep  # noqa: E402  (scripts/sweep.py: the job runner)
 import table  # noqa: E402  (scripts/table.py)
-from fedact_app.config import CONF_DIR  # noqa: E402
+from fedact_app.config import compose_unchecked  # noqa: E402
 from fedact_app.paired import PairedComparison, paired_comparison, training_settings  # noqa: E402
 from fedact_app.report import (  # noqa: E402
     METHODS, ReportError, Run, group_runs, load_runs, method_name, value_cells)
@@ -134,14 +134,6 @@ def completed_row(job_dir: Path, overrides: tuple[str, ...]) -> dict | None:
     return row if done else None
 
 
-def compose_dict(overrides: tuple[str, ...]):
-    """The Hydra DictConfig of ``overrides`` (what sweep.run_combination validates)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, engine: sweep.LocalEngine,
             rerun: bool = False) -> dict:
     """Run one job as a Flower run on ``engine`` in ``jobs_dir/<job.name>`` (skipped when already
@@ -152,7 +144,7 @@ def run_job(jobs_dir: Path, job: Job, launch: sweep.LaunchOptions, engine: sweep
         return {**row, "skipped": True}
     job_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cfg = compose_dict(job.overrides)
+        cfg = compose_unchecked(list(job.overrides))
     except Exception as err:  # noqa: BLE001 - Hydra's composition errors: an unknown key, a bad type
         row = {"job": job.name, "overrides": " ".join(job.overrides), "status": "invalid config",
                "run_dir": None, "final_test_accuracy": None, "best_test_accuracy": None,

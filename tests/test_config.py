@@ -1,5 +1,7 @@
 """Hydra composition of conf/ into the typed schema, and bad overrides failing with clear messages."""
 
+import threading
+
 import pytest
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -31,6 +33,28 @@ def test_algorithm_group_and_keys():
     cfg = compose(["algorithm=fedadamw", "algorithm.tau=0.3", "algorithm.trust_scope=tensor"])
     assert cfg.algorithm.name == "fedadamw" and cfg.algorithm.trust_signal == "none"
     assert cfg.algorithm.tau == 0.3 and cfg.algorithm.trust_scope == "tensor"
+
+
+def test_threads_compose_at_the_same_time():
+    """Hydra's composition goes through one process-wide object: four threads composing at once
+    (as study.py's jobs do) each get their own config, none finds it taken."""
+    start, errors, seeds = threading.Barrier(4), [], []
+
+    def compose_five(seed):
+        start.wait()
+        for _ in range(5):
+            try:
+                seeds.append(compose(f"seed={seed}").seed)
+            except Exception as err:  # noqa: BLE001 - every failure is collected and shown
+                errors.append(f"{type(err).__name__}: {err}")
+
+    threads = [threading.Thread(target=compose_five, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:2]
+    assert sorted(seeds) == [seed for seed in range(4) for _ in range(5)]
 
 
 def test_resolved_yaml_round_trips():
