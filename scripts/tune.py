@@ -101,17 +101,29 @@ def suggest(trial: optuna.Trial, method: str, lr_range: tuple[float, float] | No
     return overrides
 
 
+def make_sqlite_folder(storage: str | None) -> None:
+    """Make the folder of an SQLite storage's file (``sqlite:///tuning/x/optuna.db``, relative;
+    ``sqlite:////abs/path.db``), which SQLite does not make: ``--out`` and ``--storage`` usually
+    name a folder that no run has made yet. Other storages are left to Optuna."""
+    prefix = "sqlite:///"
+    if storage and storage.startswith(prefix):
+        path = storage[len(prefix):].split("?", 1)[0]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
 def tune_method(method: str, objective: Objective, trials: int, storage: str | None = None,
                 study_name: str | None = None, sampler_seed: int = 0,
                 lr_range: tuple[float, float] | None = None, grid_points: int | None = None) -> optuna.Study:
     """Ask/tell until the method's study has ``trials`` finished trials (a persisted study is
-    continued); returns the study.
+    continued; an SQLite file's folder is made first); returns the study.
 
     ``grid_points``: instead the lr alone, on that many log-spaced values (``lr_grid``), one trial
     for each value that has no completed trial yet (``trials`` is not used): a second call runs
     again what failed or was interrupted. The values are enqueued trials, not Optuna's
     ``GridSampler``, which calls ``Study.stop()`` when the grid is used up, and that fails outside
     ``Study.optimize()``."""
+    make_sqlite_folder(storage)
     study = optuna.create_study(direction="maximize", storage=storage, study_name=study_name or method,
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=sampler_seed))
     if grid_points is None:

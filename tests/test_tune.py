@@ -60,6 +60,17 @@ def test_two_trials_per_method_through_ask_and_tell_and_a_tuned_file_the_study_t
     assert len(calls) == 5 and calls[-1][2] == 2
 
 
+@pytest.mark.parametrize("relative", [True, False], ids=["relative", "absolute"])
+def test_an_sqlite_storage_in_a_folder_not_yet_made_is_made(tmp_path, monkeypatch, relative):
+    """``--out tuning/x --storage sqlite:///tuning/x/optuna.db`` on a fresh checkout: SQLite does
+    not make the file's folder, and Optuna could not open the database."""
+    monkeypatch.chdir(tmp_path)
+    path = Path("tuning/x/optuna.db") if relative else tmp_path / "tuning" / "x" / "optuna.db"
+    calls = []
+    tune.tune_method("fedavg", stub_objective(calls), trials=1, storage=f"sqlite:///{path}", study_name="t")
+    assert (tmp_path / "tuning" / "x" / "optuna.db").is_file() and len(calls) == 1
+
+
 def test_a_trial_whose_run_did_not_finish_is_told_fail_and_tuning_goes_on():
     outcomes = iter([tune.TrialFailed("launch error"), 0.5])
 
