@@ -10,8 +10,10 @@ training starts. The ServerApp, every ClientApp and the scripts call the same ``
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import threading
+import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +21,7 @@ from typing import Any, Optional
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from fedact_app.registry import (AGGREGATIONS, BUILTIN_DATASETS, DATASETS, FEDACT_FAMILY, LORA_MODELS,
@@ -468,7 +471,34 @@ def compose_unchecked(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR
     if isinstance(overrides, str):
         overrides = shlex.split(overrides)
     with _HYDRA_LOCK, initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        try:
+            return hydra_compose(config_name="config", overrides=list(overrides))
+        except ConfigCompositionException as err:
+            if unknown := _unknown_schema_key(err):
+                raise ConfigError(unknown) from None
+            raise
+
+
+def _unknown_schema_key(err: ConfigCompositionException) -> str | None:
+    """The message for Hydra's "Could not override 'KEY'" where KEY leaves the schema (an
+    unknown field of a typed group): the first unknown part and the keys allowed there. Hydra
+    would suggest ``+KEY=...``, which :func:`to_config` refuses for such a key. None for other
+    errors, and where KEY lies in a free-form dict (``model.kwargs``): adding it with ``+`` is
+    right there."""
+    found = re.match(r"Could not override '([^']+)'", str(err))
+    if not found:
+        return None
+    schema: Any = Config
+    parts = found.group(1).split(".")
+    for depth, part in enumerate(parts):
+        known = {f.name for f in fields(schema)}
+        if part not in known:
+            return (f"Unknown config key {'.'.join(parts[:depth + 1])}: allowed keys there: "
+                    f"{', '.join(sorted(known))}")
+        schema = typing.get_type_hints(schema)[part]
+        if not is_dataclass(schema):
+            return None
+    return None
 
 
 def to_config(cfg: Any) -> Config:

@@ -63,16 +63,35 @@ def test_resolved_yaml_round_trips():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("no_such_key=1", "no_such_key"),
-    ("algorithm.no_such=1", "no_such"),
     ("dataset=imagenet21k", "imagenet21k"),
     ("algorithm=sgd_magic", "sgd_magic"),
     ("num_rounds=abc", "num_rounds"),
 ])
-def test_unknown_keys_options_and_types_fail_naming_them(override, needle):
+def test_unknown_options_and_types_fail_naming_them(override, needle):
     with pytest.raises((HydraException, OmegaConfBaseException)) as err:
         compose([override])
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("override, key, allowed", [
+    ("no_such_key=1", "no_such_key", "local_steps, max_empty_rounds"),
+    ("algorithm.no_such=1", "algorithm.no_such", "lr, lr_min"),
+    ("algorithm.no_such.deeper=1", "algorithm.no_such", "lr, lr_min"),
+    ("model.lora.rnk=4", "model.lora.rnk", "alpha, dropout, rank, target_modules"),
+])
+def test_unknown_keys_fail_naming_the_key_and_the_keys_allowed_there(override, key, allowed):
+    """Not Hydra's "To append to your config use +KEY=...": the schema refuses such a key."""
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    assert f"Unknown config key {key}: allowed keys there: " in str(err.value) and allowed in str(err.value)
+    assert "+" not in str(err.value)
+
+
+def test_a_new_key_of_a_free_form_dict_keeps_hydras_hint_and_composes_with_plus():
+    with pytest.raises(HydraException, match=r"use \+model.kwargs.depth=2"):
+        compose(["model.kwargs.depth=2"])
+    assert compose(["model=vit_tiny", "model.kwargs.depth=2"]).model.kwargs["depth"] == 2
+    assert compose(["+model.kwargs.depth=2"]).model.kwargs["depth"] == 2
 
 
 @pytest.mark.parametrize("override, key, allowed", [
