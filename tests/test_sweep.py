@@ -43,6 +43,7 @@ def test_sweep_runs_each_combination_and_lists_the_failure(tmp_path):
     assert (tmp_path / "1" / "flower.log").read_text()
     summary = (tmp_path / "summary.md").read_text()
     assert "2 runs, 1 completed, 1 not" in summary and "job 0 (algorithm.tau=2" in summary
+    assert "HTTP Request" not in proc.stdout + proc.stderr  # the engine's polls of the SuperLink (httpx)
 
 
 def test_a_failed_flower_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, fake_engine):

@@ -19,6 +19,7 @@ and ``scripts/deploy/local_cluster.py`` need them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -209,9 +210,16 @@ def run_status(home: Path, connection: str, run_id: int | str, *, env: Mapping[s
 
 def _control_http_client(address: str) -> Any:
     """Flower 1.41's own Control API client (``flwr.supercore.control``) for a local, insecure
-    SuperLink, made as its CLI makes it."""
+    SuperLink, made as its CLI makes it. Its transport, httpx, logs every request at INFO: a
+    followed run's status is asked for twice a second, which a program logging at INFO (a sweep,
+    through Hydra's logging) would print as most of its output. The ``httpx`` logger is set to
+    WARNING unless it has a level of its own."""
     from flwr.supercore.control import ControlHttpClient
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+    requests = logging.getLogger("httpx")
+    if requests.level == logging.NOTSET:
+        requests.setLevel(logging.WARNING)
 
     return ControlHttpClient.from_server_address(
         server_address=address, insecure=True, root_certificates=None,
