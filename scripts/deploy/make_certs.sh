@@ -29,7 +29,7 @@
 # Example (SuperLink reachable as link.example.org and 10.0.0.5):
 #   scripts/deploy/make_certs.sh -o certificates -n link.example.org -i 10.0.0.5
 #   flower-superlink --ssl-ca-certfile certificates/ca.crt --ssl-certfile certificates/server.pem \
-#       --ssl-keyfile certificates/server.key --enable-supernode-auth --host 127.0.0.1 --port 9093 ...
+#       --ssl-keyfile certificates/server.key --enable-supernode-auth --host 127.0.0.1 --port 9091 ...
 #   (loopback, behind the proxy that forwards only the Fleet API: docs/DEPLOY.md, "Who can do what")
 set -euo pipefail
 
