@@ -14,6 +14,7 @@ import re
 import shlex
 import threading
 import typing
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -466,8 +467,9 @@ def compose(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR) -> Confi
 
 def compose_unchecked(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR) -> DictConfig:
     """The Hydra composition of :func:`compose`, before :func:`to_config` checks it: Hydra's own
-    errors (an unknown group option, a value of the wrong type) raise here, the schema's ranges
-    do not. Threads may compose at the same time (one at a time inside)."""
+    errors (an unknown group option, a value of the wrong type) raise here, and ConfigError for
+    an override of a key the schema lacks; the schema's ranges, and keys added with ``+``, are
+    :func:`to_config`'s to check. Threads may compose at the same time (one at a time inside)."""
     if isinstance(overrides, str):
         overrides = shlex.split(overrides)
     with _HYDRA_LOCK, initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
@@ -480,25 +482,29 @@ def compose_unchecked(overrides: str | list[str] = (), conf_dir: Path = CONF_DIR
 
 
 def _unknown_schema_key(err: ConfigCompositionException) -> str | None:
-    """The message for Hydra's "Could not override 'KEY'" where KEY leaves the schema (an
-    unknown field of a typed group): the first unknown part and the keys allowed there. Hydra
-    would suggest ``+KEY=...``, which :func:`to_config` refuses for such a key. None for other
-    errors, and where KEY lies in a free-form dict (``model.kwargs``): adding it with ``+`` is
-    right there."""
-    found = re.match(r"Could not override '([^']+)'", str(err))
-    if not found:
+    """The message for Hydra's "Could not override 'KEY'. To append to your config use +KEY=..."
+    where KEY leaves the schema (an unknown field of a typed group): the first unknown part and
+    the keys allowed there, as :func:`to_config` says it of a key added with ``+``, which it
+    refuses. None for other errors, for Hydra's own keys (``hydra.``), for a group override
+    (``model@x``, ``dataset/x``), and where KEY lies in a free-form dict (``model.kwargs``),
+    where Hydra's ``+KEY`` is right."""
+    found = re.match(r"Could not override '([^'@/]+)'\.\nTo append to your config use \+", str(err))
+    if not found or found.group(1).split(".")[0] == "hydra":
         return None
     schema: Any = Config
     parts = found.group(1).split(".")
     for depth, part in enumerate(parts):
-        known = {f.name for f in fields(schema)}
+        known = [f.name for f in fields(schema)]
         if part not in known:
-            return (f"Unknown config key {'.'.join(parts[:depth + 1])}: allowed keys there: "
-                    f"{', '.join(sorted(known))}")
+            return _unknown_key_message(".".join(parts[:depth + 1]), known)
         schema = typing.get_type_hints(schema)[part]
         if not is_dataclass(schema):
             return None
     return None
+
+
+def _unknown_key_message(key: str, allowed: Iterable[str]) -> str:
+    return f"Unknown config key {key}: allowed keys there: {', '.join(sorted(allowed))}"
 
 
 def to_config(cfg: Any) -> Config:
@@ -506,8 +512,8 @@ def to_config(cfg: Any) -> Config:
     the schema does not have fails here: Hydra lets ``+key=value`` add one to a typed config, and
     the conversion would drop it without a word."""
     if unknown := _unknown_keys(cfg):
-        raise ConfigError(f"Unknown config key {unknown[0]} (added with '+'?): the run would ignore it. "
-                          f"Allowed keys there: {', '.join(_allowed_keys(cfg, unknown[0]))}")
+        raise ConfigError(f"{_unknown_key_message(unknown[0], _allowed_keys(cfg, unknown[0]))} (added with "
+                          "'+'? the run would ignore it)")
     return OmegaConf.to_object(cfg)
 
 

@@ -87,9 +87,17 @@ def test_unknown_keys_fail_naming_the_key_and_the_keys_allowed_there(override, k
     assert "+" not in str(err.value)
 
 
-def test_a_new_key_of_a_free_form_dict_keeps_hydras_hint_and_composes_with_plus():
-    with pytest.raises(HydraException, match=r"use \+model.kwargs.depth=2"):
-        compose(["model.kwargs.depth=2"])
+@pytest.mark.parametrize("override, hint", [
+    ("model.kwargs.depth=2", r"use \+model.kwargs.depth=2"),  # a free-form dict: '+' is right there
+    ("hydra.no_such=1", r"Could not override 'hydra.no_such'"),  # Hydra's own keys
+    ("model@x=vit_tiny", r"Did you mean to override model\?"),  # a group override
+])
+def test_keys_outside_the_schema_keep_hydras_message(override, hint):
+    with pytest.raises(HydraException, match=hint):
+        compose([override])
+
+
+def test_a_new_key_of_a_free_form_dict_composes_with_plus():
     assert compose(["model=vit_tiny", "model.kwargs.depth=2"]).model.kwargs["depth"] == 2
     assert compose(["+model.kwargs.depth=2"]).model.kwargs["depth"] == 2
 
@@ -100,11 +108,12 @@ def test_a_new_key_of_a_free_form_dict_keeps_hydras_hint_and_composes_with_plus(
     ("+diagnostics.every=3", "diagnostics.every", "top_p, trust_every"),
 ])
 def test_keys_added_with_plus_fail_instead_of_being_dropped(override, key, allowed):
-    """Hydra's own error for an unknown key suggests '+key=value', which adds the key to the typed
-    config; it must fail too, naming the key and the keys allowed there, not vanish from the run."""
+    """Hydra adds a key given as '+key=value' to the typed config; it must fail too, naming the
+    key and the keys allowed there, not vanish from the run."""
     with pytest.raises(ConfigError) as err:
         compose([override])
-    assert f"Unknown config key {key} " in str(err.value) and allowed in str(err.value)
+    assert f"Unknown config key {key}: allowed keys there: " in str(err.value) and allowed in str(err.value)
+    assert "(added with '+'? the run would ignore it)" in str(err.value)
     assert compose(["model.kwargs.width=8"]).model.kwargs["width"] == 8  # a free-form dict stays open
 
 
