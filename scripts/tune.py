@@ -103,13 +103,16 @@ def suggest(trial: optuna.Trial, method: str, lr_range: tuple[float, float] | No
 
 def make_sqlite_folder(storage: str | None) -> None:
     """Make the folder of an SQLite storage's file (``sqlite:///tuning/x/optuna.db``, relative;
-    ``sqlite:////abs/path.db``), which SQLite does not make: ``--out`` and ``--storage`` usually
-    name a folder that no run has made yet. Other storages are left to Optuna."""
-    prefix = "sqlite:///"
-    if storage and storage.startswith(prefix):
-        path = storage[len(prefix):].split("?", 1)[0]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    ``sqlite:////abs/path.db``; any SQLite driver, with or without a query), which SQLite does
+    not make: ``--out`` and ``--storage`` usually name a folder that no run has made yet. An
+    in-memory SQLite database and other storages are left to Optuna."""
+    from sqlalchemy.engine import make_url  # Optuna's own dependency for its RDB storages
+
+    if not storage:
+        return
+    url = make_url(storage)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
 
 
 def tune_method(method: str, objective: Objective, trials: int, storage: str | None = None,

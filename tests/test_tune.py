@@ -71,6 +71,16 @@ def test_an_sqlite_storage_in_a_folder_not_yet_made_is_made(tmp_path, monkeypatc
     assert (tmp_path / "tuning" / "x" / "optuna.db").is_file() and len(calls) == 1
 
 
+def test_only_an_sqlite_files_folder_is_made(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tune.make_sqlite_folder(f"sqlite+pysqlite:///{tmp_path}/driver/optuna.db")
+    tune.make_sqlite_folder("sqlite:///query/optuna.db?timeout=5")
+    for url in ("sqlite://", "sqlite:///:memory:", "postgresql://user@host/optuna", None):
+        tune.make_sqlite_folder(url)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["driver", "query"]
+    assert [p.name for p in (tmp_path / "query").iterdir()] == []  # the folder, not the file
+
+
 def test_a_trial_whose_run_did_not_finish_is_told_fail_and_tuning_goes_on():
     outcomes = iter([tune.TrialFailed("launch error"), 0.5])
 
