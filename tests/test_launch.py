@@ -633,15 +633,19 @@ def test_the_malloc_settings_go_only_where_they_work_and_the_user_set_none(monke
         {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"} if wanted else {})
 
 
-def test_the_control_clients_requests_are_not_logged_at_info_unless_the_caller_set_httpx_s_level(monkeypatch):
+def test_the_control_clients_requests_are_not_logged_at_info_unless_the_caller_set_httpx_s_level():
     """A followed run's status is asked for twice a second; at INFO (Hydra's logging in a sweep)
     httpx would log each request. A level the caller gave the ``httpx`` logger stays."""
     import logging
 
-    requests = logging.getLogger("httpx")
-    monkeypatch.setattr(requests, "level", logging.NOTSET)
-    flwr._control_http_client("127.0.0.1:9").close()  # no connection is made until a call
-    assert requests.level == logging.WARNING
-    monkeypatch.setattr(requests, "level", logging.DEBUG)
-    flwr._control_http_client("127.0.0.1:9").close()
-    assert requests.level == logging.DEBUG
+    httpx_logger = logging.getLogger("httpx")
+    before = httpx_logger.level
+    try:
+        httpx_logger.setLevel(logging.NOTSET)
+        flwr._control_http_client("127.0.0.1:9").close()  # no connection is made until a call
+        assert httpx_logger.level == logging.WARNING
+        httpx_logger.setLevel(logging.DEBUG)
+        flwr._control_http_client("127.0.0.1:9").close()
+        assert httpx_logger.level == logging.DEBUG
+    finally:
+        httpx_logger.setLevel(before)

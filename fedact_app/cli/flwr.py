@@ -217,9 +217,9 @@ def _control_http_client(address: str) -> Any:
     from flwr.supercore.control import ControlHttpClient
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
-    requests = logging.getLogger("httpx")
-    if requests.level == logging.NOTSET:
-        requests.setLevel(logging.WARNING)
+    httpx_logger = logging.getLogger("httpx")
+    if httpx_logger.level == logging.NOTSET:
+        httpx_logger.setLevel(logging.WARNING)
 
     return ControlHttpClient.from_server_address(
         server_address=address, insecure=True, root_certificates=None,
