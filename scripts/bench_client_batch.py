@@ -26,8 +26,11 @@ by a factor α/γ on those coordinates.
 
 It then times the batched optimizer's step alone (``ClientBatch.optimizer.step()`` on the
 gradients the last step left, between two synchronizations of the device, median of
-``OPTIMIZER_REPEATS``) and prints it beside the batched step: what is left of the step is the
-clients' forward and backward, their batches and the accumulation into the gradients.
+``OPTIMIZER_REPEATS``) and prints it beside the batched step (a round over K). Timed alone, the
+step's launches overlap no other work, so on a GPU it is at most its share within the round. The
+rest of a step, an estimate, is the clients' forward and backward, their batches, the
+accumulation into the gradients, and the round's own work (x^r loaded, the replies made) spread
+over its K steps.
 
 ``--profile`` counts the PyTorch operations of a step (``aten::`` events of ``torch.profiler``,
 nested ones and views included; a round of K = 3 less one of K = 1, halved) and on CUDA its
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  loop / batched: {loop / batched:.2f}x")
     step_ms, optimizer_ms = 1e3 * batched / steps, 1e3 * optimizer_step_seconds(clients)
     print(f"of a batched step: the optimizer's step alone {optimizer_ms:.2f} ms (median of {OPTIMIZER_REPEATS}), "
-          f"the rest (forward, backward, batches) {step_ms - optimizer_ms:.2f} ms")
+          f"the rest (forward, backward, batches, the round's own work over K) about {step_ms - optimizer_ms:.2f} ms")
     if clients.device.type == "cuda":
         print(f"peak GPU memory a round above its start (torch's allocator), MiB: loop {peaks['loop'] / 2**20:,.0f} / "
               f"batched {peaks['batched'] / 2**20:,.0f}")

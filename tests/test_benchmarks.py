@@ -132,7 +132,7 @@ def test_bench_client_batch_prints_both_sides_their_gap_and_the_operation_counts
         assert re.search(row, out, re.M), out
     assert re.search(r"^  loop / batched: \d+\.\d\dx$", out, re.M), out
     assert re.search(r"^of a batched step: the optimizer's step alone \d+\.\d\d ms \(median of 20\), the rest "
-                     r"\(forward, backward, batches\) -?\d+\.\d\d ms$", out, re.M), out
+                     r"\(forward, backward, batches, the round's own work over K\) about \d+\.\d\d ms$", out, re.M), out
     assert re.search(r"max \|dDelta\| / max \|Delta\| = \d\.\d\de[-+]\d\d; .*: \d+\.\d{3} %", out), out
     assert re.search(r"^a step of all 2 clients: aten ops loop [\d,]+ / batched [\d,]+ = \d+\.\d\dx$", out, re.M), out
 
