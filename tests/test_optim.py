@@ -232,19 +232,15 @@ def test_random_settings_match_reference(selector, monkeypatch):
         kw, shapes, steps, coarse, without_grad = random_settings(rng)
         params = make_params(shapes, seed=draw)
         ref = Reference(params, hyper_of(kw, len(params)), **trust_of(kw))
-        opt = FedACTAdamW(params, **kw)
-        for v_bar, delta_g, gs, grads in make_rounds(params, seed=draw + 1, **steps):
-            opt.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
-            ref.begin_round(v_bar=v_bar, delta_g=delta_g, global_step=gs)
-            for step_grads in grads:
-                step_grads = [None if i in without_grad else torch.round(g * 2) / 2 if coarse else g
-                              for i, g in enumerate(step_grads)]
-                for p, g in zip(params, step_grads):
-                    p.grad = None if g is None else g.clone()
-                opt.step()
-                ref.step(step_grads)
-                for p, x in zip(params, ref.x):
-                    assert torch.allclose(p.detach().reshape(-1), x, rtol=1e-12, atol=1e-12), (draw, kw, shapes)
+        rounds = [(v_bar, delta_g, gs, [[None if i in without_grad else torch.round(g * 2) / 2 if coarse else g
+                                         for i, g in enumerate(step_grads)] for step_grads in grads])
+                  for v_bar, delta_g, gs, grads in make_rounds(params, seed=draw + 1, **steps)]
+        drive(FedACTAdamW(params, **kw), params, ref, rounds)
+        try:
+            assert_matches(params, ref)
+        except AssertionError as err:
+            raise AssertionError(f"{selector} draw {draw}: {kw}, shapes {shapes}, {steps}, coarse {coarse}, "
+                                 f"without a gradient {sorted(without_grad)}") from err
 
 
 @pytest.mark.parametrize("trust_scope", ["global", "tensor"])

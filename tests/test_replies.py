@@ -5,6 +5,8 @@ import json
 import math
 import random
 import threading
+import tokenize
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -102,60 +104,71 @@ def test_replies_decoded_on_threads_come_back_in_order_each_as_decoded_alone(mon
     assert len(set(vectors)) == len(vectors) and not pool._free.get((6, torch.float32))  # each reused once
 
 
-def mutated_array(rng, array: Array) -> Array:
-    """``array`` with one thing changed: a bit, its length, its dtype, shape or serialization
-    type, a value made NaN, infinite or negative, or its bytes replaced by a bare .npy prefix."""
+ARRAY_CHANGES = ("bit", "truncated", "extended", "dtype", "shape", "stype", "value", "bare header")
+LAYOUT_CHANGES = ("name", "shape", "dtype", "order", "repeated", "dropped", "form")
+
+
+def mutated_array(rng, array: Array) -> tuple[Array, str]:
+    """``array`` with one thing changed (which one: ``ARRAY_CHANGES``): a bit, its length, its
+    dtype, shape or serialization type, a value made NaN, infinite or negative, or its bytes
+    replaced by a bare .npy header."""
     data, dtype, shape, stype = bytearray(array.data), array.dtype, list(array.shape), array.stype
-    change = rng.randrange(8)
-    if change == 0:
+    change = rng.choice(ARRAY_CHANGES if len(data) >= 16 else ARRAY_CHANGES[1:6] + ARRAY_CHANGES[7:])
+    if change == "bit":
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-    elif change == 1:
-        data = data[:rng.randrange(len(data))]
-    elif change == 2:
+    elif change == "truncated":
+        data = data[:rng.randrange(len(data) + 1)]
+    elif change == "extended":
         data += bytes(rng.randrange(1, 9))
-    elif change == 3:
+    elif change == "dtype":
         dtype = rng.choice(["float64", "float16", "int16", "int64", "uint8", "object", ">f4", "bogus", "V8", "bool"])
-    elif change == 4:
+    elif change == "shape":
         shape = [rng.choice([-1, 0, 1, 3, 10**12])] * rng.randint(0, 2)
-    elif change == 5:
+    elif change == "stype":
         stype = rng.choice(["torch", ""])
-    elif change == 6 and len(data) >= 16:
+    elif change == "value":
         end = len(data) - 4 * rng.randint(0, 2)
         data[end - 4:end] = np.float32(rng.choice([np.nan, np.inf, -1.0, 1e38])).tobytes()
     else:
         data = bytearray(b"\x93NUMPY\x01\x00" + bytes(rng.randrange(40)))
-    return Array(dtype=dtype, shape=tuple(shape), stype=stype, data=bytes(data))
+    return Array(dtype=dtype, shape=tuple(shape), stype=stype, data=bytes(data)), change
 
 
-def mutated_layout(rng, record) -> None:
-    """The record's layout with one entry renamed, reshaped or given another dtype, or the entries
-    reordered, one repeated or dropped, or the layout replaced by JSON of another form."""
-    layout = json.loads(np.load(io.BytesIO(record["layout"].data)).tobytes())
+def mutated_layout(rng, record) -> str | None:
+    """The record's layout with one thing changed (which one: ``LAYOUT_CHANGES``; None where an
+    earlier change left no layout of ``[name, dtype, shape]`` entries to change): an entry
+    renamed, reshaped or given another dtype, the entries reordered, one repeated or dropped, or
+    the layout replaced by JSON of another form."""
+    try:
+        layout = json.loads(np.load(io.BytesIO(record["layout"].data)).tobytes())
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError):  # unreadable after an earlier change
+        return None
     if not (isinstance(layout, list) and layout and all(isinstance(e, list) and len(e) == 3 for e in layout)):
-        return  # an earlier change gave it another form
+        return None
     entry = rng.choice(layout)
-    change = rng.randrange(7)
-    if change == 0:
+    change = rng.choice(LAYOUT_CHANGES)
+    if change == "name":
         entry[0] = rng.choice(["w", "bn.n", "x", ""])
-    elif change == 1:
+    elif change == "shape":
         entry[2] = rng.choice([[3, 2], [6], [], [2, 3, 1], [-1], [1e3], ["2"], None])
-    elif change == 2:
+    elif change == "dtype":
         entry[1] = rng.choice(["float64", "int64", "layout", "int16"])
-    elif change == 3:
+    elif change == "order":
         rng.shuffle(layout)
-    elif change == 4:
+    elif change == "repeated":
         layout.append(list(entry))
-    elif change == 5:
+    elif change == "dropped":
         layout.remove(entry)
     else:
         layout = rng.choice([{}, None, 3, [[1, 2, 3]], [["w", "float32"]]])
     record["layout"] = Array(np.frombuffer(json.dumps(layout).encode(), np.uint8))  # Flower's own .npy bytes
+    return change
 
 
-def mutated_reply(rng, reply_dtype: str) -> RecordDict | None:
+def mutated_reply(rng, reply_dtype: str, changes: Counter) -> RecordDict | None:
     """A valid reply (its floating arrays in ``reply_dtype``) with one to three things changed: an
     array of a record, a record's layout, an array dropped or added, a metric (None where Flower's
-    ``MetricRecord`` itself refuses the value)."""
+    ``MetricRecord`` itself refuses the value). ``changes`` counts each change made."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     records = {"delta": packed_record(to_wire({k: torch.randn(t.shape, generator=gen) if t.is_floating_point()
                                                else t + 1 for k, t in STATE.items()}, reply_dtype)),
@@ -165,24 +178,26 @@ def mutated_reply(rng, reply_dtype: str) -> RecordDict | None:
         record = records[rng.choice(["delta", "v"])]
         target = rng.choice(["array", "layout", "entries", "metric"])
         if target == "metric":
-            metrics[rng.choice([*metrics, "train-seconds", "work-start", "trust-overlap"])] = rng.choice(
+            metrics[rng.choice([*metrics, "train-seconds", "work-start", "positive-ratio"])] = rng.choice(
                 [0, -1, 2**62, math.nan, math.inf, -0.0, 0.5, 3])
+            changes["metric"] += 1
         elif not list(record):
             continue
         elif target == "array":
             key = rng.choice(list(record))
-            record[key] = mutated_array(rng, record[key])
+            record[key], change = mutated_array(rng, record[key])
+            changes[f"array {change}"] += 1
         elif target == "layout" and "layout" in record:
-            try:
-                mutated_layout(rng, record)
-            except Exception:  # an earlier change made it unreadable to np.load
-                pass
+            if change := mutated_layout(rng, record):
+                changes[f"layout {change}"] += 1
         elif target == "entries":
             key = rng.choice(list(record))
             if rng.random() < 0.5:
                 del record[key]
+                changes["entry dropped"] += 1
             else:
                 record[rng.choice(["float64", "int64", "extra"])] = record[key]
+                changes["entry added"] += 1
     try:
         return RecordDict({**records, "metrics": MetricRecord(metrics)})
     except (TypeError, ValueError):
@@ -193,12 +208,13 @@ def mutated_reply(rng, reply_dtype: str) -> RecordDict | None:
 def test_a_mutated_reply_is_refused_or_decodes_to_a_sound_update(reply_dtype):
     """2,000 replies with random changes to their bytes, dtypes, shapes, layouts, entries and
     metrics: each one is refused with a ReplyError, or decodes to what the round can aggregate
-    (the state's names, shapes and dtypes, finite values, v >= 0, counts >= 1, a finite lr-sum
-    > 0). No other exception, and both outcomes occur."""
+    (the state's names, shapes and dtypes, finite values, v >= 0, the delta's norm that of its
+    values, counts >= 1, a finite lr-sum > 0, its metrics finite and in their ranges). No other
+    exception, both outcomes occur, and so does every kind of change."""
     rng = random.Random(reply_dtype)
-    outcomes = {"refused": 0, "accepted": 0}
+    outcomes, changes = Counter(), Counter()
     for _ in range(2000):
-        content = mutated_reply(rng, reply_dtype)
+        content = mutated_reply(rng, reply_dtype, changes)
         if content is None:
             continue
         try:
@@ -210,7 +226,15 @@ def test_a_mutated_reply_is_refused_or_decodes_to_a_sound_update(reply_dtype):
         for name, want in STATE.items():
             got = update.delta[name]
             assert (got.shape, got.dtype) == (want.shape, want.dtype) and torch.isfinite(got.float()).all()
+        assert math.isclose(update.norms["delta"], float(update.delta["w"].double().norm()), rel_tol=1e-12)
         v = update.arrays["v"]["w"]
         assert v.shape == (2, 3) and torch.isfinite(v).all() and (v >= 0).all()
         assert update.num_steps >= 1 and update.num_examples >= 1 and 0 < update.lr_sum < math.inf
+        metrics = content["metrics"]
+        assert all(math.isfinite(value) for value in metrics.values())
+        assert all(metrics[key] >= 0 for key in ("train-seconds", "work-start") if key in metrics)
+        assert 0 <= metrics.get("positive-ratio", 0) <= 1
     assert outcomes["refused"] > 1000 and outcomes["accepted"] > 100, outcomes
+    kinds = ["metric", "entry dropped", "entry added", *(f"array {c}" for c in ARRAY_CHANGES),
+             *(f"layout {c}" for c in LAYOUT_CHANGES)]
+    assert all(changes[kind] >= 10 for kind in kinds), changes
