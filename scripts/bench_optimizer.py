@@ -369,15 +369,19 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             parser.error("--device cuda but no CUDA device is visible")
         devices.append(torch.device("cuda"))
-    print(f"torch {torch.__version__}; median and min of {args.repeats} interleaved steps after "
+    optimizer_repeats = args.optimizer_repeats or args.repeats
+    print(f"torch {torch.__version__}; median and min of {optimizer_repeats} interleaved steps after "
           f"{args.warmup} warm-up; ratio = median / median of {REFERENCE}")
+    if args.device_selection:
+        print("selection: the engines CUDA uses (numpy hidden): the radix select"
+              + (", and the counting selection in the compiled rows" if args.compile else ""))
     for model_name in args.models:
         cfg = compose(f"model={model_name} dataset={args.dataset}")
         model = build_model(cfg.model, cfg.dataset)
         params = [p for p in model.parameters() if p.requires_grad]
         ds = cfg.dataset
         for device in devices:
-            rows = bench_steps(params, device, args.optimizer_repeats or args.repeats, args.warmup, args.compile)
+            rows = bench_steps(params, device, optimizer_repeats, args.warmup, args.compile)
             train, times, compile_seconds = None, None, None
             if not args.no_train_step:
                 shape = (args.batch, ds.channels, ds.image_size, ds.image_size)

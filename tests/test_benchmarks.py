@@ -23,7 +23,10 @@ def test_bench_optimizer_compares_the_compiled_step_with_the_device_selection():
     """--compile --device-selection: the compiled rows beside the others, with the selections CUDA
     runs (numpy hidden), on CPU."""
     out = run_script("bench_optimizer.py", "--quick", "--device", "cpu", "--compile", "--device-selection",
-                     "--no-train-step", timeout=300)
+                     "--no-train-step", "--optimizer-repeats", "2", timeout=300)
+    assert "median and min of 2 interleaved steps after 1 warm-up" in out, out  # --optimizer-repeats, not --repeats
+    assert "selection: the engines CUDA uses (numpy hidden): the radix select, and the counting selection in the " \
+           "compiled rows" in out, out
     for name in ("FedACT global", "FedACT tensor", "FedACT compiled", "FedACT tensor compiled"):
         assert re.search(rf"^{name} +\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", out, re.M), (name, out)
 
